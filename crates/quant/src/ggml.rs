@@ -1,0 +1,240 @@
+//! ggml tensor types: their block geometry and exact dequantization.
+
+use thiserror::Error;
+
+mod blocks;
+
+#[derive(Debug, Error)]
+pub enum QuantError {
+    #[error("unsupported tensor type {0}")]
+    Unsupported(String),
+    #[error("{ty:?}: {len} bytes is not a whole number of {block}-byte blocks")]
+    Misaligned {
+        ty: GgmlType,
+        len: usize,
+        block: usize,
+    },
+    #[error("{ty:?}: output holds {out} values but the input decodes to {expected}")]
+    OutputSize {
+        ty: GgmlType,
+        out: usize,
+        expected: usize,
+    },
+}
+
+/// The ggml type ids as numbered in GGUF files.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum GgmlType {
+    F32,
+    F16,
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
+    Q8_0,
+    Q8_1,
+    Q2K,
+    Q3K,
+    Q4K,
+    Q5K,
+    Q6K,
+    Q8K,
+    I8,
+    I16,
+    I32,
+    I64,
+    F64,
+    BF16,
+}
+
+impl GgmlType {
+    /// Every type, in id order.
+    pub const ALL: [GgmlType; 20] = {
+        use GgmlType::*;
+        [
+            F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1, Q2K, Q3K, Q4K, Q5K, Q6K, Q8K, I8, I16,
+            I32, I64, F64, BF16,
+        ]
+    };
+
+    /// The GGUF type id (inverse of [`GgmlType::from_id`]).
+    pub fn id(self) -> u32 {
+        use GgmlType::*;
+        match self {
+            F32 => 0,
+            F16 => 1,
+            Q4_0 => 2,
+            Q4_1 => 3,
+            Q5_0 => 6,
+            Q5_1 => 7,
+            Q8_0 => 8,
+            Q8_1 => 9,
+            Q2K => 10,
+            Q3K => 11,
+            Q4K => 12,
+            Q5K => 13,
+            Q6K => 14,
+            Q8K => 15,
+            I8 => 24,
+            I16 => 25,
+            I32 => 26,
+            I64 => 27,
+            F64 => 28,
+            BF16 => 30,
+        }
+    }
+
+    /// The name GGUF tooling prints for this type (`"Q4_K"`, `"BF16"`, ...).
+    pub fn name(self) -> &'static str {
+        use GgmlType::*;
+        match self {
+            F32 => "F32",
+            F16 => "F16",
+            Q4_0 => "Q4_0",
+            Q4_1 => "Q4_1",
+            Q5_0 => "Q5_0",
+            Q5_1 => "Q5_1",
+            Q8_0 => "Q8_0",
+            Q8_1 => "Q8_1",
+            Q2K => "Q2_K",
+            Q3K => "Q3_K",
+            Q4K => "Q4_K",
+            Q5K => "Q5_K",
+            Q6K => "Q6_K",
+            Q8K => "Q8_K",
+            I8 => "I8",
+            I16 => "I16",
+            I32 => "I32",
+            I64 => "I64",
+            F64 => "F64",
+            BF16 => "BF16",
+        }
+    }
+
+    /// Maps a GGUF type id; ids we do not know at all are `None`.
+    pub fn from_id(id: u32) -> Option<Self> {
+        use GgmlType::*;
+        Some(match id {
+            0 => F32,
+            1 => F16,
+            2 => Q4_0,
+            3 => Q4_1,
+            6 => Q5_0,
+            7 => Q5_1,
+            8 => Q8_0,
+            9 => Q8_1,
+            10 => Q2K,
+            11 => Q3K,
+            12 => Q4K,
+            13 => Q5K,
+            14 => Q6K,
+            15 => Q8K,
+            24 => I8,
+            25 => I16,
+            26 => I32,
+            27 => I64,
+            28 => F64,
+            30 => BF16,
+            _ => return None,
+        })
+    }
+
+    /// Values per block.
+    pub fn block_len(self) -> usize {
+        use GgmlType::*;
+        match self {
+            F32 | F16 | BF16 | I8 | I16 | I32 | I64 | F64 => 1,
+            Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q8_1 => 32,
+            Q2K | Q3K | Q4K | Q5K | Q6K | Q8K => 256,
+        }
+    }
+
+    /// Bytes per block.
+    pub fn block_bytes(self) -> usize {
+        use GgmlType::*;
+        match self {
+            F32 | I32 => 4,
+            F16 | BF16 | I16 => 2,
+            I8 => 1,
+            I64 | F64 => 8,
+            Q4_0 => 18,
+            Q4_1 => 20,
+            Q5_0 => 22,
+            Q5_1 => 24,
+            Q8_0 => 34,
+            Q8_1 => 36,
+            Q2K => 84,
+            Q3K => 110,
+            Q4K => 144,
+            Q5K => 176,
+            Q6K => 210,
+            Q8K => 292,
+        }
+    }
+
+    /// Bytes needed for `n` values (n must be a multiple of the block length).
+    pub fn bytes_for(self, n: usize) -> Option<usize> {
+        if n % self.block_len() != 0 {
+            return None;
+        }
+        (n / self.block_len()).checked_mul(self.block_bytes())
+    }
+
+    /// Whether [`dequantize`] decodes this type.
+    pub fn is_supported(self) -> bool {
+        use GgmlType::*;
+        matches!(
+            self,
+            F32 | F16 | BF16 | Q4_0 | Q4_1 | Q5_0 | Q8_0 | Q4K | Q6K
+        )
+    }
+}
+
+/// Decodes `src` (whole blocks of `ty`) into `out`, exactly as ggml's reference dequantizers do.
+///
+/// `src` may start at any address (it is usually a slice of an mmapped file). Every output value is
+/// bit-identical to ggml's scalar reference (`dequantize_row_*`), NaN payloads aside.
+///
+/// Errors, checked in this order: `Unsupported` for types this crate does not decode,
+/// `Misaligned` when `src` is not a whole number of blocks, `OutputSize` when `out` does not hold
+/// exactly the decoded values. Never panics.
+pub fn dequantize(ty: GgmlType, src: &[u8], out: &mut [f32]) -> Result<(), QuantError> {
+    use GgmlType::*;
+    let kernel: fn(&[u8], &mut [f32]) = match ty {
+        F32 => blocks::float32,
+        F16 => blocks::float16,
+        BF16 => blocks::bfloat16,
+        Q4_0 => blocks::q4_0,
+        Q4_1 => blocks::q4_1,
+        Q5_0 => blocks::q5_0,
+        Q8_0 => blocks::q8_0,
+        Q4K => blocks::q4_k,
+        Q6K => blocks::q6_k,
+        Q5_1 | Q8_1 | Q2K | Q3K | Q5K | Q8K | I8 | I16 | I32 | I64 | F64 => {
+            return Err(QuantError::Unsupported(ty.name().to_string()))
+        }
+    };
+    let block = ty.block_bytes();
+    if src.len() % block != 0 {
+        return Err(QuantError::Misaligned {
+            ty,
+            len: src.len(),
+            block,
+        });
+    }
+    let expected = src.len() / block * ty.block_len();
+    if out.len() != expected {
+        return Err(QuantError::OutputSize {
+            ty,
+            out: out.len(),
+            expected,
+        });
+    }
+    kernel(src, out);
+    Ok(())
+}
+
+/// Decodes one row: same as [`dequantize`]; named for call sites that walk a matrix row by row.
+pub fn dequantize_row(ty: GgmlType, src: &[u8], out: &mut [f32]) -> Result<(), QuantError> {
+    dequantize(ty, src, out)
+}

@@ -1,0 +1,8 @@
+//! Weight codecs: the GGUF (ggml) block formats, decoded exactly to f32.
+//!
+//! Pure functions over byte slices; no I/O and no threading. Every fast kernel elsewhere is tested
+//! against these scalar decoders.
+
+pub mod ggml;
+
+pub use ggml::{dequantize, dequantize_row, GgmlType, QuantError};

@@ -1,0 +1,114 @@
+//! `trellm bench`: prompt processing (ppN: N prompt tokens in one pass) and text generation (tgN:
+//! N tokens one at a time from an empty cache), as llama-bench defines them; median of runs.
+
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use clap::Args;
+
+use super::ModelArgs;
+use crate::model::decoder::Logits;
+use crate::model::KvCache;
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Prompt tokens processed in one pass (0: skip).
+    #[arg(long, short = 'p', default_value_t = 512)]
+    pub n_prompt: usize,
+    /// Tokens generated one at a time (0: skip).
+    #[arg(long, short = 'n', default_value_t = 128)]
+    pub n_gen: usize,
+    /// Measured runs per test (after one warm-up run).
+    #[arg(long, short = 'r', default_value_t = 5)]
+    pub repetitions: usize,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+pub fn run(a: BenchArgs) -> Result<()> {
+    if a.repetitions == 0 {
+        bail!("--repetitions must be at least 1");
+    }
+    let m = a.model.load()?;
+    let dec = &m.decoder;
+    let cfg = &dec.cfg;
+    if a.n_prompt + a.n_gen > cfg.max_context {
+        bail!(
+            "pp{} + tg{} exceeds the model's context of {} tokens",
+            a.n_prompt,
+            a.n_gen,
+            cfg.max_context
+        );
+    }
+    // Deterministic token ids spread over the vocabulary, as llama-bench uses random ones.
+    let tokens: Vec<u32> = (0..a.n_prompt.max(1) as u64)
+        .map(|i| ((i.wrapping_mul(2654435761) + 7) % cfg.vocab as u64) as u32)
+        .collect();
+    let mut pp = Vec::new();
+    let mut tg = Vec::new();
+    for rep in 0..=a.repetitions {
+        if a.n_prompt > 0 {
+            let mut cache = KvCache::new(cfg);
+            let t = Instant::now();
+            dec.forward(&tokens[..a.n_prompt], &mut cache, Logits::Last);
+            if rep > 0 {
+                pp.push(a.n_prompt as f64 / t.elapsed().as_secs_f64());
+            }
+        }
+        if a.n_gen > 0 {
+            let mut cache = KvCache::new(cfg);
+            let mut tok = cfg.bos_id.unwrap_or(0);
+            let t = Instant::now();
+            for _ in 0..a.n_gen {
+                let logits = dec.forward(&[tok], &mut cache, Logits::Last);
+                tok = crate::engine::sampler::argmax(&logits);
+            }
+            if rep > 0 {
+                tg.push(a.n_gen as f64 / t.elapsed().as_secs_f64());
+            }
+        }
+    }
+    let threads = rayon::current_num_threads();
+    let pp_tok_s = (!pp.is_empty()).then(|| median(pp));
+    let tg_tok_s = (!tg.is_empty()).then(|| median(tg));
+    if a.json {
+        let obj = serde_json::json!({
+            "model": m.path.display().to_string(),
+            "threads": threads,
+            "n_prompt": a.n_prompt,
+            "n_gen": a.n_gen,
+            "repetitions": a.repetitions,
+            "pp_tok_s": pp_tok_s,
+            "tg_tok_s": tg_tok_s,
+            "peak_rss_bytes": super::peak_rss_bytes(),
+            "weight_bytes": m.weight_bytes,
+        });
+        println!("{obj}");
+    } else {
+        println!(
+            "model: {}  threads: {threads}  runs: {}",
+            m.path.display(),
+            a.repetitions
+        );
+        if let Some(v) = pp_tok_s {
+            println!("pp{:<5} {v:>10.2} tok/s", a.n_prompt);
+        }
+        if let Some(v) = tg_tok_s {
+            println!("tg{:<5} {v:>10.2} tok/s", a.n_gen);
+        }
+    }
+    Ok(())
+}

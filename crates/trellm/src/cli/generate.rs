@@ -1,0 +1,207 @@
+//! `trellm generate`.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::{anyhow, bail, Context, Result};
+use clap::Args;
+use trellm_tokenizer::ChatMessage;
+
+use super::{print_stats, ModelArgs, SamplingArgs};
+use crate::engine::generate::Flow;
+use crate::engine::stop::StopStrings;
+use crate::engine::{generate, GenerateOptions};
+use crate::model::load::LoadedModel;
+
+#[derive(Args, Debug)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// The prompt (rendered through the chat template unless --raw).
+    #[arg(long, short = 'p', conflicts_with_all = ["messages", "prompt_ids"])]
+    pub prompt: Option<String>,
+    /// A JSON file with a chat: [{"role": "user", "content": "..."}, ...].
+    #[arg(long, conflicts_with = "prompt_ids")]
+    pub messages: Option<PathBuf>,
+    /// Prompt token ids, comma separated; no tokenizer needed.
+    #[arg(long, value_delimiter = ',')]
+    pub prompt_ids: Option<Vec<u32>>,
+    /// System prompt placed before the user's message.
+    #[arg(long, visible_alias = "system-prompt")]
+    pub system: Option<String>,
+    /// Use the prompt as is, without the chat template.
+    #[arg(long, visible_alias = "ignore-chat-template")]
+    pub raw: bool,
+    /// Maximum tokens to generate.
+    #[arg(
+        long,
+        short = 'm',
+        default_value_t = 100,
+        allow_negative_numbers = true
+    )]
+    pub max_tokens: usize,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    /// Stop when the text contains this string (repeatable).
+    #[arg(long)]
+    pub stop: Vec<String>,
+    /// Extra token that ends generation (repeatable), as text.
+    #[arg(long)]
+    pub extra_eos_token: Vec<String>,
+    /// Print one JSON object (prompt ids, ids, text, logprobs) instead of streaming text.
+    #[arg(long)]
+    pub json: bool,
+    /// Report the top-K log-probabilities at each generated step (with --json).
+    #[arg(long, default_value_t = 0)]
+    pub logprobs: usize,
+    /// Report the top-K next-token log-probabilities at each prompt position (with --json).
+    #[arg(long, default_value_t = 0)]
+    pub prompt_logprobs: usize,
+    /// Print no statistics.
+    #[arg(long, short = 'q')]
+    pub quiet: bool,
+}
+
+/// Turns the prompt flags into token ids.
+fn prompt_ids(a: &GenerateArgs, m: &LoadedModel) -> Result<Vec<u32>> {
+    if let Some(ids) = &a.prompt_ids {
+        return Ok(ids.clone());
+    }
+    let tok = m.tokenizer()?;
+    let mut messages = Vec::new();
+    if let Some(path) = &a.messages {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        messages = serde_json::from_str::<Vec<ChatMessage>>(&text).map_err(|e| {
+            anyhow!(
+                "{}: not a JSON list of {{role, content}} messages ({e})",
+                path.display()
+            )
+        })?;
+        if messages.is_empty() {
+            bail!("{}: the chat is empty", path.display());
+        }
+    }
+    let prompt = a.prompt.clone().unwrap_or_else(|| "hello".to_string());
+    let use_template = !a.raw && tok.has_chat_template();
+    if a.messages.is_some() && !use_template {
+        bail!("--messages needs a model with a chat template (and no --raw)");
+    }
+    let ids = if use_template {
+        if a.messages.is_none() {
+            if let Some(s) = &a.system {
+                messages.push(ChatMessage {
+                    role: "system".into(),
+                    content: s.clone(),
+                });
+            }
+            messages.push(ChatMessage {
+                role: "user".into(),
+                content: prompt,
+            });
+        }
+        let text = tok.apply_chat_template(&messages, true)?;
+        tok.encode(&text, false)?
+    } else {
+        tok.encode(&prompt, true)?
+    };
+    Ok(ids)
+}
+
+pub fn run(a: GenerateArgs) -> Result<()> {
+    if (a.logprobs > 0 || a.prompt_logprobs > 0) && !a.json {
+        bail!("--logprobs and --prompt-logprobs need --json");
+    }
+    let sampler = a.sampling.params()?;
+    let m = a.model.load()?;
+    let ids = prompt_ids(&a, &m)?;
+    let mut eos_ids = m.eos_ids();
+    for t in &a.extra_eos_token {
+        let tok = m.tokenizer()?;
+        eos_ids.push(
+            tok.token_to_id(t)
+                .ok_or_else(|| anyhow!("--extra-eos-token '{t}' is not a token"))?,
+        );
+    }
+    let opts = GenerateOptions {
+        max_tokens: a.max_tokens,
+        sampler,
+        logprobs: a.logprobs,
+        eos_ids: eos_ids.clone(),
+        prompt_logprobs: a.prompt_logprobs,
+    };
+    let mut decoder = m.tokenizer().ok().map(|t| t.stream_decoder());
+    let mut stops = StopStrings::new(a.stop.clone());
+    let mut out_ids = Vec::new();
+    let mut logprobs = Vec::new();
+    let mut stdout = std::io::stdout().lock();
+    let mut failure: Option<anyhow::Error> = None;
+    let stats = generate(&m.decoder, &ids, &opts, |step| {
+        out_ids.push(step.token);
+        logprobs.push(step.top.clone());
+        // EOS ends the text; it is reported in the ids.
+        if eos_ids.contains(&step.token) {
+            return Flow::Continue;
+        }
+        if let Some(d) = decoder.as_mut() {
+            let chunk = match d.push(step.token) {
+                Ok(c) => c,
+                Err(e) => {
+                    failure = Some(e.into());
+                    return Flow::Stop;
+                }
+            };
+            let shown = stops.push(&chunk);
+            if !a.json && !shown.is_empty() && write_out(&mut stdout, shown).is_err() {
+                return Flow::Stop;
+            }
+            if stops.stopped() {
+                return Flow::Stop;
+            }
+        }
+        Flow::Continue
+    })?;
+    if let Some(e) = failure {
+        return Err(e);
+    }
+    if let Some(d) = decoder.as_mut() {
+        let tail = d.finish()?;
+        stops.push(&tail);
+    }
+    let rest = stops.finish().to_string();
+    if a.json {
+        let text = m.has_tokenizer().then(|| stops.text().to_string());
+        let pairs = |v: &Vec<(u32, f32)>| {
+            v.iter()
+                .map(|&(i, p)| serde_json::json!([i, p]))
+                .collect::<Vec<_>>()
+        };
+        let mut obj = serde_json::json!({
+            "prompt_ids": ids,
+            "ids": out_ids,
+            "text": text,
+            "logprobs": logprobs.iter().map(pairs).collect::<Vec<_>>(),
+        });
+        if a.prompt_logprobs > 0 {
+            obj["prompt_logprobs"] = stats
+                .prompt_logprobs
+                .iter()
+                .map(pairs)
+                .collect::<Vec<_>>()
+                .into();
+        }
+        let _ = writeln!(stdout, "{obj}");
+    } else {
+        let _ = write_out(&mut stdout, &rest);
+        let _ = writeln!(stdout);
+    }
+    if !a.quiet {
+        print_stats(&stats);
+    }
+    Ok(())
+}
+
+fn write_out(w: &mut impl Write, s: &str) -> std::io::Result<()> {
+    w.write_all(s.as_bytes())?;
+    w.flush()
+}

@@ -1,0 +1,326 @@
+//! mlx-lm's logits processors and sampling filters, in mlx-lm's order:
+//! logit bias, repetition, presence and frequency penalties (processors, on logits); then
+//! `logprobs = logits - logsumexp(logits)`; then top-p, min-p, top-k (filters, on logprobs); then
+//! a categorical draw at `1/temp` (or argmax at temp 0).
+
+use anyhow::{bail, Result};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use crate::backend::cpu;
+
+#[derive(Debug, Clone)]
+pub struct SamplerParams {
+    pub temp: f32,
+    pub top_p: f32,
+    pub min_p: f32,
+    pub min_tokens_to_keep: usize,
+    pub top_k: usize,
+    pub logit_bias: Vec<(u32, f32)>,
+    pub repetition_penalty: Option<f32>,
+    pub repetition_context_size: usize,
+    pub presence_penalty: Option<f32>,
+    pub presence_context_size: usize,
+    pub frequency_penalty: Option<f32>,
+    pub frequency_context_size: usize,
+    pub seed: Option<u64>,
+}
+
+impl Default for SamplerParams {
+    fn default() -> Self {
+        SamplerParams {
+            temp: 0.0,
+            top_p: 0.0,
+            min_p: 0.0,
+            min_tokens_to_keep: 1,
+            top_k: 0,
+            logit_bias: Vec::new(),
+            repetition_penalty: None,
+            repetition_context_size: 20,
+            presence_penalty: None,
+            presence_context_size: 20,
+            frequency_penalty: None,
+            frequency_context_size: 20,
+            seed: None,
+        }
+    }
+}
+
+impl SamplerParams {
+    /// Rejects values mlx-lm rejects, with the same ranges.
+    pub fn validate(&self, vocab: usize) -> Result<()> {
+        if !self.temp.is_finite() || self.temp < 0.0 {
+            bail!("--temp must be a non-negative number, got {}", self.temp);
+        }
+        if !(0.0..=1.0).contains(&self.top_p) {
+            bail!("--top-p must be in [0, 1], got {}", self.top_p);
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            bail!("--min-p must be in [0, 1], got {}", self.min_p);
+        }
+        if self.min_tokens_to_keep < 1 {
+            bail!("--min-tokens-to-keep must be at least 1");
+        }
+        if self.top_k >= vocab {
+            bail!(
+                "--top-k must be below the vocabulary size ({vocab}), got {}",
+                self.top_k
+            );
+        }
+        if let Some(p) = self.repetition_penalty {
+            if !p.is_finite() || p < 0.0 {
+                bail!("--repetition-penalty must be a non-negative number, got {p}");
+            }
+        }
+        for (name, p) in [
+            ("--presence-penalty", self.presence_penalty),
+            ("--frequency-penalty", self.frequency_penalty),
+        ] {
+            if p.is_some_and(|p| !p.is_finite()) {
+                bail!("{name} must be a finite number");
+            }
+        }
+        for &(id, b) in &self.logit_bias {
+            if id as usize >= vocab {
+                bail!("logit bias token id {id} is outside the vocabulary (size {vocab})");
+            }
+            if !b.is_finite() {
+                bail!("logit bias for token {id} must be finite");
+            }
+        }
+        Ok(())
+    }
+}
+
+pub struct Sampler {
+    p: SamplerParams,
+    rng: ChaCha8Rng,
+}
+
+impl Sampler {
+    pub fn new(p: SamplerParams) -> Self {
+        let rng = match p.seed {
+            Some(s) => ChaCha8Rng::seed_from_u64(s),
+            None => ChaCha8Rng::from_entropy(),
+        };
+        Sampler { p, rng }
+    }
+
+    /// Applies the processors to `logits` given every token so far (prompt and generated), then
+    /// turns them into log-probabilities in place. These are the logprobs mlx-lm reports.
+    pub fn logprobs(&self, logits: &mut [f32], history: &[u32]) {
+        let p = &self.p;
+        for &(id, b) in &p.logit_bias {
+            logits[id as usize] += b;
+        }
+        if let Some(pen) = p.repetition_penalty.filter(|&x| x != 0.0) {
+            let ctx = tail(history, p.repetition_context_size);
+            // Every occurrence is set from the unpenalized value, so duplicates count once.
+            let orig: Vec<f32> = ctx.iter().map(|&t| logits[t as usize]).collect();
+            for (&t, &v) in ctx.iter().zip(&orig) {
+                logits[t as usize] = if v < 0.0 { v * pen } else { v / pen };
+            }
+        }
+        if let Some(pen) = p.presence_penalty.filter(|&x| x != 0.0) {
+            let ctx = tail(history, p.presence_context_size);
+            let orig: Vec<f32> = ctx.iter().map(|&t| logits[t as usize]).collect();
+            for (&t, &v) in ctx.iter().zip(&orig) {
+                logits[t as usize] = v - pen;
+            }
+        }
+        if let Some(pen) = p.frequency_penalty.filter(|&x| x != 0.0) {
+            for &t in tail(history, p.frequency_context_size) {
+                logits[t as usize] -= pen;
+            }
+        }
+        cpu::log_softmax(logits);
+    }
+
+    /// Filters and draws from log-probabilities (as returned by [`Sampler::logprobs`]).
+    pub fn sample(&mut self, logprobs: &[f32]) -> u32 {
+        let p = &self.p;
+        if p.temp == 0.0 {
+            return argmax(logprobs);
+        }
+        let mut lp = logprobs.to_vec();
+        if 0.0 < p.top_p && p.top_p < 1.0 {
+            apply_top_p(&mut lp, p.top_p);
+        }
+        if p.min_p != 0.0 {
+            apply_min_p(&mut lp, p.min_p, p.min_tokens_to_keep);
+        }
+        if p.top_k > 0 {
+            apply_top_k(&mut lp, p.top_k);
+        }
+        self.categorical(&lp, 1.0 / p.temp)
+    }
+
+    fn categorical(&mut self, lp: &[f32], inv_temp: f32) -> u32 {
+        let scaled: Vec<f32> = lp.iter().map(|v| v * inv_temp).collect();
+        let m = scaled.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let weights: Vec<f64> = scaled.iter().map(|&v| ((v - m) as f64).exp()).collect();
+        let total: f64 = weights.iter().sum();
+        let mut u = self.rng.gen::<f64>() * total;
+        for (i, w) in weights.iter().enumerate() {
+            if *w > 0.0 {
+                if u < *w {
+                    return i as u32;
+                }
+                u -= w;
+            }
+        }
+        argmax(&scaled)
+    }
+}
+
+fn tail(h: &[u32], n: usize) -> &[u32] {
+    &h[h.len().saturating_sub(n)..]
+}
+
+/// The first index of the maximum, as `argmax` does.
+pub fn argmax(x: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in x.iter().enumerate() {
+        if v > x[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Keeps the smallest set of most likely tokens whose mass reaches `top_p` of the total, with
+/// mlx-lm's arithmetic: sorted ascending, mass strictly above each entry, threshold by count.
+pub fn apply_top_p(lp: &mut [f32], top_p: f32) {
+    let mut sorted = lp.to_vec();
+    sorted.sort_by(|a, b| a.total_cmp(b));
+    let probs: Vec<f32> = sorted.iter().map(|v| v.exp()).collect();
+    let n = probs.len();
+    let mut mass_above = vec![0.0f32; n];
+    let mut acc = 0.0f32;
+    for i in (0..n).rev() {
+        mass_above[i] = acc;
+        acc += probs[i];
+    }
+    let total = mass_above[0] + probs[0];
+    let dropped = mass_above.iter().filter(|&&m| m >= top_p * total).count();
+    let threshold = sorted[dropped.min(n - 1)];
+    for v in lp.iter_mut() {
+        if *v < threshold {
+            *v = f32::NEG_INFINITY;
+        }
+    }
+}
+
+/// Drops tokens whose probability is below `min_p` times the top token's.
+pub fn apply_min_p(lp: &mut [f32], min_p: f32, min_keep: usize) {
+    let top = lp.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let cut = top + (min_p as f64).ln() as f32;
+    let keep: Vec<usize> = if min_keep > 1 {
+        top_indices(lp, min_keep)
+    } else {
+        Vec::new()
+    };
+    for (i, v) in lp.iter_mut().enumerate() {
+        if *v < cut && !keep.contains(&i) {
+            *v = f32::NEG_INFINITY;
+        }
+    }
+}
+
+/// Keeps the `k` most likely tokens.
+pub fn apply_top_k(lp: &mut [f32], k: usize) {
+    if k >= lp.len() {
+        return;
+    }
+    let keep = top_indices(lp, k);
+    let mut mask = vec![false; lp.len()];
+    for i in keep {
+        mask[i] = true;
+    }
+    for (v, m) in lp.iter_mut().zip(mask) {
+        if !m {
+            *v = f32::NEG_INFINITY;
+        }
+    }
+}
+
+/// Indices of the `k` largest values, largest first (ties broken by lower index).
+pub fn top_indices(x: &[f32], k: usize) -> Vec<usize> {
+    let k = k.min(x.len());
+    if k == 0 {
+        return Vec::new();
+    }
+    let mut idx: Vec<usize> = (0..x.len()).collect();
+    let cmp = |a: &usize, b: &usize| x[*b].total_cmp(&x[*a]).then(a.cmp(b));
+    idx.select_nth_unstable_by(k - 1, cmp);
+    idx.truncate(k);
+    idx.sort_by(cmp);
+    idx
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn top_p_keeps_the_nucleus() {
+        // probs 0.5, 0.3, 0.15, 0.05
+        let mut lp: Vec<f32> = [0.5f32, 0.3, 0.15, 0.05].iter().map(|p| p.ln()).collect();
+        apply_top_p(&mut lp, 0.7);
+        assert!(lp[0].is_finite() && lp[1].is_finite());
+        assert!(lp[2] == f32::NEG_INFINITY && lp[3] == f32::NEG_INFINITY);
+    }
+
+    #[test]
+    fn min_p_is_relative_to_the_top() {
+        let mut lp: Vec<f32> = [0.6f32, 0.3, 0.05, 0.05].iter().map(|p| p.ln()).collect();
+        apply_min_p(&mut lp, 0.2, 1);
+        assert!(lp[1].is_finite() && lp[2] == f32::NEG_INFINITY);
+        let mut lp: Vec<f32> = [0.6f32, 0.3, 0.06, 0.04].iter().map(|p| p.ln()).collect();
+        apply_min_p(&mut lp, 0.9, 3);
+        assert!(lp[2].is_finite() && lp[3] == f32::NEG_INFINITY);
+    }
+
+    #[test]
+    fn top_k_and_argmax() {
+        let mut lp = vec![-3.0, -1.0, -2.0, -0.5];
+        apply_top_k(&mut lp, 2);
+        assert_eq!(lp, vec![f32::NEG_INFINITY, -1.0, f32::NEG_INFINITY, -0.5]);
+        assert_eq!(argmax(&[1.0, 3.0, 3.0]), 1);
+    }
+
+    #[test]
+    fn penalties_follow_mlx_lm() {
+        let s = Sampler::new(SamplerParams {
+            repetition_penalty: Some(2.0),
+            presence_penalty: Some(0.5),
+            frequency_penalty: Some(0.25),
+            logit_bias: vec![(3, 1.0)],
+            ..Default::default()
+        });
+        let mut logits = vec![2.0, -2.0, 1.0, 0.0];
+        // Before log-softmax: bias on 3; tokens 0,1,1 seen: rep -> 1.0, -4.0; presence once ->
+        // 0.5, -4.5; frequency per hit -> 0.25, -5.0.
+        s.logprobs(&mut logits, &[0, 1, 1]);
+        let expect = [0.25f32, -5.0, 1.0, 1.0];
+        let lse = expect.iter().map(|v| v.exp()).sum::<f32>().ln();
+        for (a, b) in logits.iter().zip(expect) {
+            assert!((a - (b - lse)).abs() < 1e-6);
+        }
+    }
+
+    #[test]
+    fn seeded_sampling_repeats() {
+        let lp: Vec<f32> = [0.25f32; 4].iter().map(|p| p.ln()).collect();
+        let draw = |seed| {
+            let mut s = Sampler::new(SamplerParams {
+                temp: 1.0,
+                seed: Some(seed),
+                ..Default::default()
+            });
+            (0..32).map(|_| s.sample(&lp)).collect::<Vec<_>>()
+        };
+        assert_eq!(draw(7), draw(7));
+        assert_ne!(draw(7), draw(8));
+    }
+}
