@@ -17,8 +17,8 @@ if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import llama_cpp" 2>/
   python3 -m venv "$venv"
   "$venv/bin/pip" install -q "llama-cpp-python==0.3.36"
 fi
-cargo build --release -q -p trellm
-bin=target/release/trellm
+bin=${TRELLM_BIN:-target/release/trellm}
+[ -n "${TRELLM_BIN:-}" ] || cargo build --release -q -p trellm
 
 printf '| model | threads | engine | pp512 tok/s | tg128 tok/s |\n|---|---|---|---|---|\n'
 for m in "${models[@]}"; do

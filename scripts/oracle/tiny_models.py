@@ -27,6 +27,7 @@ Adding a model: append an entry to MODELS (name, seed, the HF config, prompt len
 family also needs an entry in FAMILIES: its HF architecture name, whether its norms store w for
 a (1 + w) scale, and a name map if mlx-lm's parameter names differ from the checkpoint's (the
 reload checks names against what mlx-lm's sanitize() accepts, not against HF itself).
+RoPE tables (every rope_scaling variant, bit for bit) come from rope_tables.py beside this.
 """
 import argparse
 import json
@@ -68,6 +69,52 @@ FAMILIES: Dict[str, FamilySpec] = {
         defaults={"hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 32768,
                   "attn_logit_softcapping": None, "final_logit_softcapping": None,
                   "rope_scaling": None},
+    ),
+    "mistral": FamilySpec(
+        "MistralForCausalLM",
+        defaults={"hidden_act": "silu", "max_position_embeddings": 32768, "rope_scaling": None},
+    ),
+    "smollm3": FamilySpec(
+        "SmolLM3ForCausalLM",
+        defaults={"hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+                  "max_position_embeddings": 2048, "rope_scaling": None},
+    ),
+    "qwen2": FamilySpec(
+        "Qwen2ForCausalLM",
+        defaults={"hidden_act": "silu", "max_position_embeddings": 32768, "rope_scaling": None},
+    ),
+    "qwen3": FamilySpec(
+        "Qwen3ForCausalLM",
+        defaults={"hidden_act": "silu", "max_position_embeddings": 40960, "rope_scaling": None,
+                  "attention_bias": False},
+    ),
+    "gemma": FamilySpec(
+        "GemmaForCausalLM", norm_plus_one=True,
+        defaults={"hidden_act": "gelu", "max_position_embeddings": 8192},
+    ),
+    "gemma2": FamilySpec(
+        "Gemma2ForCausalLM", norm_plus_one=True,
+        defaults={"hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 8192},
+    ),
+    "phi3": FamilySpec(
+        "Phi3ForCausalLM",
+        defaults={"hidden_act": "silu", "max_position_embeddings": 131072,
+                  "original_max_position_embeddings": 4096},
+    ),
+    "olmo2": FamilySpec(
+        "Olmo2ForCausalLM",
+        defaults={"hidden_act": "silu", "attention_bias": False, "max_position_embeddings": 4096,
+                  "rope_scaling": None},
+    ),
+    "granite": FamilySpec(
+        "GraniteForCausalLM",
+        defaults={"hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+                  "max_position_embeddings": 4096, "rope_scaling": None},
+    ),
+    "starcoder2": FamilySpec(
+        "Starcoder2ForCausalLM",
+        defaults={"hidden_act": "gelu_pytorch_tanh", "max_position_embeddings": 4096,
+                  "use_bias": True},
     ),
 }
 
@@ -144,6 +191,135 @@ MODELS: List[ModelSpec] = [
         scales=Scales(embed=0.15, gain=1.0,
                       norm_shift={"post_attention_layernorm": 4.0, "post_feedforward_layernorm": 4.0,
                                   "q_norm": 0.5, "k_norm": 0.5}),
+    ),
+    # llama with llama3 rope scaling; original context 16 so the scaling bites at these lengths.
+    ModelSpec(
+        "llama-rope-llama3", seed=11,
+        config={"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+                "rope_scaling": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+                "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2},
+        prompt_lens=[5, 17, 40],
+    ),
+    # yarn (with mscale) and the traditional (interleaved) layout.
+    ModelSpec(
+        "llama-rope-yarn", seed=12,
+        config={"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+                "rope_traditional": True,
+                "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                                 "mscale": 1.0, "mscale_all_dim": 0.5},
+                "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2},
+        prompt_lens=[5, 17, 40],
+    ),
+    # dynamic NTK: prompts fit max_position_embeddings (24), generation runs past it.
+    ModelSpec(
+        "llama-rope-dynamic", seed=13,
+        config={"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+                "max_position_embeddings": 24,
+                "rope_scaling": {"type": "dynamic", "factor": 4.0},
+                "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2},
+        prompt_lens=[5, 17, 24],
+    ),
+    # linear scaling, q/k/v/o and MLP biases.
+    ModelSpec(
+        "llama-rope-linear-bias", seed=34,
+        config={"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+                "rope_scaling": {"type": "linear", "factor": 2.0}, "attention_bias": True,
+                "mlp_bias": True, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2},
+        prompt_lens=[5, 17, 40],
+    ),
+    # mistral: read as llama (sliding_window unused, as in mlx-lm), untied, head_dim 32.
+    ModelSpec(
+        "mistral", seed=15,
+        config={"model_type": "mistral", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "rms_norm_eps": 1e-5,
+                "rope_theta": 1000000.0, "sliding_window": 4096, "tie_word_embeddings": False,
+                "bos_token_id": 1, "eos_token_id": 2},
+        prompt_lens=[6, 19, 40],
+    ),
+    # smollm3: NoPE in every 2nd layer of 4.
+    ModelSpec(
+        "smollm3", seed=36,
+        config={"model_type": "smollm3", "vocab_size": 256, "hidden_size": 64,
+                "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                "no_rope_layer_interval": 2, "tie_word_embeddings": True, "bos_token_id": 1,
+                "eos_token_id": 2},
+        prompt_lens=[5, 17, 40],
+    ),
+    # qwen2: q/k/v biases, tied.
+    ModelSpec(
+        "qwen2", seed=17,
+        config={"model_type": "qwen2", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2},
+        prompt_lens=[5, 17, 40],
+    ),
+    # qwen3: per-head q/k norms, head_dim 32 != 64 / 4, untied.
+    ModelSpec(
+        "qwen3", seed=38,
+        config={"model_type": "qwen3", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "rms_norm_eps": 1e-6,
+                "rope_theta": 1000000.0, "tie_word_embeddings": False, "bos_token_id": 1,
+                "eos_token_id": 2},
+        prompt_lens=[5, 17, 40],
+        scales=Scales(norm_shift={"q_norm": 0.5, "k_norm": 0.5}),
+    ),
+    # gemma: (1 + w) norms, sqrt(hidden) embedding scale, exact GELU, MQA, head_dim 32.
+    ModelSpec(
+        "gemma", seed=19,
+        config={"model_type": "gemma", "vocab_size": 256, "hidden_size": 64,
+                "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "num_key_value_heads": 1, "head_dim": 32, "rms_norm_eps": 1e-6,
+                "rope_theta": 10000.0, "bos_token_id": 2, "eos_token_id": 1},
+        prompt_lens=[5, 17, 40],
+        scales=Scales(embed=0.15, gain=1.0),
+    ),
+    # gemma2: sandwich norms, attention and final soft-capping small enough to bite.
+    ModelSpec(
+        "gemma2", seed=20,
+        config={"model_type": "gemma2", "vocab_size": 256, "hidden_size": 64,
+                "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
+                "rope_theta": 10000.0, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 4.0,
+                "final_logit_softcapping": 15.0, "sliding_window": 4096,
+                "bos_token_id": 2, "eos_token_id": 1},
+        prompt_lens=[5, 17, 40],
+        scales=Scales(embed=0.1, gain=1.5,
+                      norm_shift={"post_attention_layernorm": 4.0, "post_feedforward_layernorm": 4.0}),
+    ),
+    # phi3: fused qkv / gate_up, partial rotary (half), longrope with per-pair long factors.
+    ModelSpec(
+        "phi3", seed=21,
+        config={"model_type": "phi3", "vocab_size": 256, "hidden_size": 64,
+                "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+                "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 4,
+                                 "long_factor": [1.0, 1.5, 3.0, 8.0]},
+                "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2},
+        prompt_lens=[5, 17, 40],
+    ),
+    # olmo2: post-norms only, q/k norms over the whole projections.
+    ModelSpec(
+        "olmo2", seed=22,
+        config={"model_type": "olmo2", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "rope_theta": 500000.0,
+                "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2},
+        prompt_lens=[5, 17, 40],
+        scales=Scales(norm_shift={"q_norm": 0.5, "k_norm": 0.5}),
+    ),
+    # granite: embedding, residual, attention and logits multipliers.
+    ModelSpec(
+        "granite", seed=43,
+        config={"model_type": "granite", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                "embedding_multiplier": 2.0, "residual_multiplier": 0.8,
+                "attention_multiplier": 0.2, "logits_scaling": 1.5,
+                "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2},
+        prompt_lens=[5, 17, 40],
+    ),
+    # starcoder2: LayerNorm with bias, plain exact-GELU MLP, biases everywhere.
+    ModelSpec(
+        "starcoder2", seed=24,
+        config={"model_type": "starcoder2", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "norm_epsilon": 1e-5, "rope_theta": 100000.0,
+                "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2},
+        prompt_lens=[5, 17, 40],
     ),
 ]
 

@@ -264,7 +264,26 @@ fn tiny_models_match_mlx_lm() {
         .iter()
         .map(|d| d.file_name().unwrap().to_string_lossy().into_owned())
         .collect();
-    for expected in ["llama", "llama-untied", "gemma3"] {
+    // One fixture per family, plus rope-scaling variants.
+    for expected in [
+        "llama",
+        "llama-untied",
+        "llama-rope-llama3",
+        "llama-rope-yarn",
+        "llama-rope-dynamic",
+        "llama-rope-linear-bias",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "gemma",
+        "gemma2",
+        "gemma3",
+        "phi3",
+        "olmo2",
+        "granite",
+        "smollm3",
+        "starcoder2",
+    ] {
         assert!(
             names.iter().any(|n| n == expected),
             "fixture {expected} missing from {}",

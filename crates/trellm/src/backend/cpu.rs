@@ -138,3 +138,26 @@ pub fn rope(x: &mut [f32], pos: f32, inv_freq: &[f32], interleaved: bool) {
         x[b] = x0 * s + x1 * c;
     }
 }
+
+/// LayerNorm as the reference computes it: `(x - mean) * rsqrt(var + eps) * w + b`.
+pub fn layer_norm(x: &mut [f32], w: &[f32], b: &[f32], eps: f32) {
+    let n = x.len() as f32;
+    let mean = x.iter().sum::<f32>() / n;
+    let var = x.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n;
+    let r = 1.0 / (var + eps).sqrt();
+    for ((v, g), c) in x.iter_mut().zip(w).zip(b) {
+        *v = ((*v - mean) * r) * g + c;
+    }
+}
+
+/// GELU with erf, `x * (1 + erf(x / sqrt(2))) / 2`, using the reference's float32 erf.
+#[inline]
+pub fn gelu(x: f32) -> f32 {
+    x * (1.0 + crate::model::mlx_math::mlx_erf(x / std::f32::consts::SQRT_2)) / 2.0
+}
+
+/// Soft-capping: `cap * tanh(x / cap)`.
+#[inline]
+pub fn softcap(x: f32, cap: f32) -> f32 {
+    (x / cap).tanh() * cap
+}

@@ -1,45 +1,71 @@
 //! The decoder's switches, read from GGUF metadata or a Hugging Face `config.json`.
 //!
-//! One `ModelConfig` drives the one decoder; each family only says how its files map onto it.
+//! One `ModelConfig` drives the one decoder; each family (`families.rs` for `config.json`,
+//! `from_gguf` here for GGUF) only says how its files map onto these switches.
 
 use anyhow::{anyhow, bail, Context, Result};
 use trellm_formats::gguf::Gguf;
 
-/// The families this build can run, as named in GGUF `general.architecture` / HF `model_type`.
-pub const SUPPORTED_FAMILIES: &[&str] = &["llama", "gemma3"];
+use super::rope::Rope;
+
+pub use super::families::SUPPORTED_FAMILIES;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Family {
     Llama,
+    Qwen2,
+    Qwen3,
+    Gemma,
+    Gemma2,
     Gemma3,
+    Phi3,
+    Olmo2,
+    Granite,
+    SmolLM3,
+    Starcoder2,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Activation {
-    /// SwiGLU: silu(gate) * up.
+    /// silu(x) = x * sigmoid(x).
     Silu,
-    /// GeGLU with the tanh approximation of GELU.
+    /// GELU, tanh approximation.
     GeluTanh,
+    /// GELU with erf (exact).
+    Gelu,
 }
 
-/// Rotary embedding of one layer.
-#[derive(Debug, Clone, PartialEq)]
-pub struct RopeSpec {
-    /// Rotated dimensions per head (the rest pass through).
-    pub dims: usize,
-    pub base: f32,
-    /// Linear position scaling (positions are multiplied by this).
-    pub position_scale: f32,
-    /// Pairs are adjacent (x[2i], x[2i+1]) rather than split halves (x[i], x[i + dims/2]).
-    /// GGUF llama files store Q/K rows permuted for this layout.
-    pub interleaved: bool,
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mlp {
+    /// `down(act(gate(x)) * up(x))`.
+    Gated,
+    /// `down(act(up(x)))`.
+    Plain,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Norm {
+    /// RMSNorm with a weight.
+    Rms,
+    /// LayerNorm with a weight and a bias.
+    Layer,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QkNorm {
+    None,
+    /// RMSNorm over each head of q and k (weights of `head_dim`).
+    PerHead,
+    /// RMSNorm over the whole q and k projections (olmo2).
+    Whole,
 }
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct LayerSpec {
     /// Attend only to the last `n` positions (including the current one).
     pub sliding_window: Option<usize>,
-    pub rope: RopeSpec,
+    /// None: no positional encoding in this layer (NoPE).
+    pub rope: Option<Rope>,
 }
 
 #[derive(Debug, Clone)]
@@ -53,15 +79,37 @@ pub struct ModelConfig {
     pub vocab: usize,
     pub norm_eps: f32,
     pub max_context: usize,
+    pub norm: Norm,
+    /// Norm weights are stored as `w` for a scale of `1 + w` (gemma).
+    pub norm_plus_one: bool,
+    /// Norms on the residual stream before attention and before the MLP.
+    pub pre_norms: bool,
+    /// Norms on attention's and the MLP's outputs, before each residual add (gemma2/3, olmo2).
+    pub post_norms: bool,
+    pub qk_norm: QkNorm,
     pub activation: Activation,
-    /// RMSNorm over each head of q and k before RoPE.
-    pub qk_norm: bool,
-    /// Norms after attention and after the MLP, before each residual add (gemma).
-    pub sandwich_norms: bool,
+    pub mlp: Mlp,
+    /// Biases on the q, k, v projections / on the output projection / on the MLP's projections.
+    pub qkv_bias: bool,
+    pub o_bias: bool,
+    pub mlp_bias: bool,
+    /// q, k, v stored as one matrix (`qkv_proj`), gate and up as one (`gate_up_proj`): phi3.
+    pub fused_qkv: bool,
+    pub fused_gate_up: bool,
+    /// The output projection is the embedding matrix.
+    pub tied_embeddings: bool,
     /// Multiplier applied to the token embedding.
     pub embed_scale: Option<f32>,
+    /// Multiplier on each layer's attention and MLP outputs before the residual add (granite).
+    pub residual_scale: Option<f32>,
     /// Multiplier on q·k.
     pub attn_scale: f32,
+    /// Attention scores become `cap * tanh(scores / cap)` (gemma2).
+    pub attn_softcap: Option<f32>,
+    /// Logits become `cap * tanh(logits / cap)` (gemma2).
+    pub final_softcap: Option<f32>,
+    /// Logits are divided by this (granite's `logits_scaling`).
+    pub logits_divisor: Option<f32>,
     pub layers: Vec<LayerSpec>,
     pub bos_id: Option<u32>,
     pub eos_ids: Vec<u32>,
@@ -72,6 +120,14 @@ impl ModelConfig {
         self.layers.len()
     }
 
+    /// From a Hugging Face `config.json` (and `generation_config.json` for EOS ids, if present).
+    pub fn from_hf(
+        config: &serde_json::Value,
+        generation: Option<&serde_json::Value>,
+    ) -> Result<Self> {
+        super::families::from_hf(config, generation)
+    }
+
     pub fn from_gguf(g: &Gguf) -> Result<Self> {
         let arch = g
             .architecture()
@@ -80,8 +136,7 @@ impl ModelConfig {
             "llama" => Family::Llama,
             "gemma3" => Family::Gemma3,
             other => bail!(
-                "unsupported architecture '{other}' (supported: {})",
-                SUPPORTED_FAMILIES.join(", ")
+                "unsupported architecture '{other}' in GGUF (supported in GGUF: llama, gemma3)"
             ),
         };
         let key = |k: &str| format!("{arch}.{k}");
@@ -126,260 +181,104 @@ impl ModelConfig {
             Some("none") | None => 1.0,
             Some(other) => bail!("unsupported rope scaling '{other}' in GGUF"),
         };
-        let max_context = req("context_length")?;
-        let bos_id = g.get_u64("tokenizer.ggml.bos_token_id").map(|v| v as u32);
-        let eos_ids = g
-            .get_u64("tokenizer.ggml.eos_token_id")
-            .map(|v| vec![v as u32])
-            .unwrap_or_default();
+        let dims = Dims {
+            hidden,
+            intermediate: req("feed_forward_length")?,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            vocab,
+            n_layers,
+            norm_eps,
+            max_context: req("context_length")?,
+            bos_id: g.get_u64("tokenizer.ggml.bos_token_id").map(|v| v as u32),
+            eos_ids: g
+                .get_u64("tokenizer.ggml.eos_token_id")
+                .map(|v| vec![v as u32])
+                .unwrap_or_default(),
+        };
         let cfg = match family {
-            Family::Llama => {
-                let rope = RopeSpec {
-                    dims: rope_dims,
-                    base: rope_base,
-                    position_scale: linear_scale,
-                    interleaved: true,
-                };
-                ModelConfig {
-                    family,
-                    hidden,
-                    intermediate: req("feed_forward_length")?,
-                    n_heads,
-                    n_kv_heads,
-                    head_dim,
-                    vocab,
-                    norm_eps,
-                    max_context,
-                    activation: Activation::Silu,
-                    qk_norm: false,
-                    sandwich_norms: false,
-                    embed_scale: None,
-                    attn_scale: (head_dim as f32).powf(-0.5),
-                    layers: vec![
-                        LayerSpec {
-                            sliding_window: None,
-                            rope
-                        };
-                        n_layers
-                    ],
-                    bos_id,
-                    eos_ids,
-                }
-            }
             Family::Gemma3 => {
                 let window = req("attention.sliding_window")?;
                 // llama.cpp's gemma3 GGUFs do not record these; they are fixed for the family.
                 let pattern = 6;
-                let local_base = 10000.0;
-                gemma3(Gemma3Params {
-                    hidden,
-                    intermediate: req("feed_forward_length")?,
-                    n_heads,
-                    n_kv_heads,
-                    head_dim,
-                    vocab,
-                    norm_eps,
-                    max_context,
-                    n_layers,
-                    window,
-                    is_sliding: Box::new(move |i| (i + 1) % pattern != 0),
-                    global_base: rope_base,
-                    local_base,
-                    global_scale: linear_scale,
-                    query_pre_attn_scalar: head_dim as f32,
-                    bos_id,
-                    eos_ids,
-                })
+                let local = Rope::plain(rope_dims, 10000.0, false, 1.0);
+                let global = Rope::plain(rope_dims, rope_base, false, linear_scale);
+                super::families::gemma3(dims, window, pattern, global, local, head_dim as f64)
+            }
+            _ => {
+                // GGUF llama Q/K rows are permuted for the traditional (interleaved) layout.
+                let rope = Rope::plain(rope_dims, rope_base, true, linear_scale);
+                let mut c = ModelConfig::llama_like(family, dims, Some(rope));
+                // GGUF files without output.weight tie it; the loader decides.
+                c.tied_embeddings = g.tensor("output.weight").is_none();
+                c
             }
         };
         Ok(cfg)
     }
 
-    /// From a Hugging Face `config.json` (and `generation_config.json` for EOS ids, if present).
-    pub fn from_hf(
-        config: &serde_json::Value,
-        generation: Option<&serde_json::Value>,
-    ) -> Result<Self> {
-        // Multimodal gemma3 folders nest the text model.
-        let c = match config.get("text_config") {
-            Some(t) if t.is_object() => t,
-            _ => config,
-        };
-        let model_type = c
-            .get("model_type")
-            .or_else(|| config.get("model_type"))
-            .and_then(|v| v.as_str())
-            .ok_or_else(|| anyhow!("config.json has no model_type"))?;
-        let family = match model_type {
-            "llama" | "mistral" => Family::Llama,
-            "gemma3" | "gemma3_text" => Family::Gemma3,
-            other => bail!(
-                "unsupported model_type '{other}' (supported: {})",
-                SUPPORTED_FAMILIES.join(", ")
-            ),
-        };
-        let f = Fields(c);
-        let hidden = f.usize("hidden_size")?;
-        let n_heads = f.usize("num_attention_heads")?;
-        let n_kv_heads = f.opt_usize("num_key_value_heads")?.unwrap_or(n_heads);
-        let n_layers = f.usize("num_hidden_layers")?;
-        let head_dim = f.opt_usize("head_dim")?.unwrap_or(hidden / n_heads.max(1));
-        let vocab = f.usize("vocab_size")?;
-        let eos_ids = generation
-            .and_then(|g| g.get("eos_token_id"))
-            .or_else(|| c.get("eos_token_id"))
-            .or_else(|| config.get("eos_token_id"))
-            .map(id_list)
-            .unwrap_or_default();
-        let bos_id = c
-            .get("bos_token_id")
-            .and_then(|v| v.as_u64())
-            .map(|v| v as u32);
-        Ok(match family {
-            Family::Llama => {
-                let base = f.opt_f32("rope_theta")?.unwrap_or(10000.0);
-                let position_scale = match c.get("rope_scaling") {
-                    Some(s) if s.is_object() => {
-                        let ty = s
-                            .get("type")
-                            .or_else(|| s.get("rope_type"))
-                            .and_then(|t| t.as_str());
-                        match ty {
-                            Some("linear") => {
-                                1.0 / s.get("factor").and_then(|v| v.as_f64()).unwrap_or(1.0) as f32
-                            }
-                            Some("default") | None => 1.0,
-                            Some(other) => {
-                                bail!("rope_scaling type '{other}' is not supported yet")
-                            }
-                        }
-                    }
-                    _ => 1.0,
+    /// Llama's switches (pre-norm RMSNorm, SwiGLU, no biases, tied head, `head_dim^-0.5`), the
+    /// same RoPE in every layer; families change what differs.
+    pub(crate) fn llama_like(family: Family, d: Dims, rope: Option<Rope>) -> ModelConfig {
+        ModelConfig {
+            family,
+            hidden: d.hidden,
+            intermediate: d.intermediate,
+            n_heads: d.n_heads,
+            n_kv_heads: d.n_kv_heads,
+            head_dim: d.head_dim,
+            vocab: d.vocab,
+            norm_eps: d.norm_eps,
+            max_context: d.max_context,
+            norm: Norm::Rms,
+            norm_plus_one: false,
+            pre_norms: true,
+            post_norms: false,
+            qk_norm: QkNorm::None,
+            activation: Activation::Silu,
+            mlp: Mlp::Gated,
+            qkv_bias: false,
+            o_bias: false,
+            mlp_bias: false,
+            fused_qkv: false,
+            fused_gate_up: false,
+            tied_embeddings: true,
+            embed_scale: None,
+            residual_scale: None,
+            attn_scale: (d.head_dim as f64).powf(-0.5) as f32,
+            attn_softcap: None,
+            final_softcap: None,
+            logits_divisor: None,
+            layers: vec![
+                LayerSpec {
+                    sliding_window: None,
+                    rope,
                 };
-                let rope = RopeSpec {
-                    dims: head_dim,
-                    base,
-                    position_scale,
-                    interleaved: false,
-                };
-                ModelConfig {
-                    family,
-                    hidden,
-                    intermediate: f.usize("intermediate_size")?,
-                    n_heads,
-                    n_kv_heads,
-                    head_dim,
-                    vocab,
-                    norm_eps: f.opt_f32("rms_norm_eps")?.unwrap_or(1e-6),
-                    max_context: f.opt_usize("max_position_embeddings")?.unwrap_or(4096),
-                    activation: Activation::Silu,
-                    qk_norm: false,
-                    sandwich_norms: false,
-                    embed_scale: None,
-                    attn_scale: (head_dim as f32).powf(-0.5),
-                    layers: vec![
-                        LayerSpec {
-                            sliding_window: None,
-                            rope
-                        };
-                        n_layers
-                    ],
-                    bos_id,
-                    eos_ids,
-                }
-            }
-            Family::Gemma3 => {
-                let pattern = f.opt_usize("sliding_window_pattern")?.unwrap_or(6).max(1);
-                let global_scale = match c.get("rope_scaling") {
-                    Some(s) if s.is_object() => {
-                        1.0 / s.get("factor").and_then(|v| v.as_f64()).unwrap_or(1.0) as f32
-                    }
-                    _ => 1.0,
-                };
-                gemma3(Gemma3Params {
-                    hidden,
-                    intermediate: f.usize("intermediate_size")?,
-                    n_heads,
-                    n_kv_heads,
-                    head_dim,
-                    vocab,
-                    norm_eps: f.opt_f32("rms_norm_eps")?.unwrap_or(1e-6),
-                    max_context: f.opt_usize("max_position_embeddings")?.unwrap_or(32768),
-                    n_layers,
-                    window: f.opt_usize("sliding_window")?.unwrap_or(512),
-                    // mlx-lm follows sliding_window_pattern, not layer_types.
-                    is_sliding: Box::new(move |i| (i + 1) % pattern != 0),
-                    global_base: f.opt_f32("rope_theta")?.unwrap_or(1_000_000.0),
-                    local_base: f.opt_f32("rope_local_base_freq")?.unwrap_or(10_000.0),
-                    global_scale,
-                    query_pre_attn_scalar: f.opt_f32("query_pre_attn_scalar")?.unwrap_or(256.0),
-                    bos_id,
-                    eos_ids,
-                })
-            }
-        })
+                d.n_layers
+            ],
+            bos_id: d.bos_id,
+            eos_ids: d.eos_ids,
+        }
     }
 }
 
-struct Gemma3Params {
-    hidden: usize,
-    intermediate: usize,
-    n_heads: usize,
-    n_kv_heads: usize,
-    head_dim: usize,
-    vocab: usize,
-    norm_eps: f32,
-    max_context: usize,
-    n_layers: usize,
-    window: usize,
-    is_sliding: Box<dyn Fn(usize) -> bool>,
-    global_base: f32,
-    local_base: f32,
-    global_scale: f32,
-    query_pre_attn_scalar: f32,
-    bos_id: Option<u32>,
-    eos_ids: Vec<u32>,
+/// The sizes every family has.
+pub(crate) struct Dims {
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab: usize,
+    pub n_layers: usize,
+    pub norm_eps: f32,
+    pub max_context: usize,
+    pub bos_id: Option<u32>,
+    pub eos_ids: Vec<u32>,
 }
 
-fn gemma3(p: Gemma3Params) -> ModelConfig {
-    let layers = (0..p.n_layers)
-        .map(|i| {
-            let sliding = (p.is_sliding)(i);
-            let rope = RopeSpec {
-                dims: p.head_dim,
-                base: if sliding { p.local_base } else { p.global_base },
-                position_scale: if sliding { 1.0 } else { p.global_scale },
-                interleaved: false,
-            };
-            LayerSpec {
-                sliding_window: sliding.then_some(p.window),
-                rope,
-            }
-        })
-        .collect();
-    ModelConfig {
-        family: Family::Gemma3,
-        hidden: p.hidden,
-        intermediate: p.intermediate,
-        n_heads: p.n_heads,
-        n_kv_heads: p.n_kv_heads,
-        head_dim: p.head_dim,
-        vocab: p.vocab,
-        norm_eps: p.norm_eps,
-        max_context: p.max_context,
-        activation: Activation::GeluTanh,
-        qk_norm: true,
-        sandwich_norms: true,
-        // The reference rounds sqrt(hidden) to bfloat16 before scaling.
-        embed_scale: Some(half::bf16::from_f32((p.hidden as f32).sqrt()).to_f32()),
-        attn_scale: p.query_pre_attn_scalar.powf(-0.5),
-        layers,
-        bos_id: p.bos_id,
-        eos_ids: p.eos_ids,
-    }
-}
-
-fn id_list(v: &serde_json::Value) -> Vec<u32> {
+pub(crate) fn id_list(v: &serde_json::Value) -> Vec<u32> {
     match v {
         serde_json::Value::Array(a) => a
             .iter()
@@ -391,10 +290,10 @@ fn id_list(v: &serde_json::Value) -> Vec<u32> {
 }
 
 /// Typed access to config fields with errors that name the field.
-struct Fields<'a>(&'a serde_json::Value);
+pub(crate) struct Fields<'a>(pub &'a serde_json::Value);
 
 impl Fields<'_> {
-    fn opt_usize(&self, k: &str) -> Result<Option<usize>> {
+    pub fn opt_usize(&self, k: &str) -> Result<Option<usize>> {
         match self.0.get(k) {
             None | Some(serde_json::Value::Null) => Ok(None),
             Some(v) => v
@@ -403,17 +302,8 @@ impl Fields<'_> {
                 .with_context(|| format!("config.json field {k} is not a non-negative integer")),
         }
     }
-    fn usize(&self, k: &str) -> Result<usize> {
+    pub fn usize(&self, k: &str) -> Result<usize> {
         self.opt_usize(k)?
             .ok_or_else(|| anyhow!("config.json lacks the field {k}"))
-    }
-    fn opt_f32(&self, k: &str) -> Result<Option<f32>> {
-        match self.0.get(k) {
-            None | Some(serde_json::Value::Null) => Ok(None),
-            Some(v) => v
-                .as_f64()
-                .map(|v| Some(v as f32))
-                .with_context(|| format!("config.json field {k} is not a number")),
-        }
     }
 }

@@ -1,36 +1,59 @@
 //! The universal decoder: one forward pass for every supported family, driven by `ModelConfig`.
+//!
+//! The pass runs a batch of rows of equal length. Rows may be left-padded: a row's padding
+//! never serves as a key, and its positions count from its first real token, so each row's
+//! logits are those it gets alone.
 
 use rayon::prelude::*;
 
-use super::config::{Activation, ModelConfig};
-use super::weights::Weights;
+use super::config::{Activation, Mlp, ModelConfig, Norm, QkNorm};
+use super::weights::{Linear, NormWeights, Weights};
 use crate::backend::cpu;
 
-/// Keys and values of every layer, position-major: `[pos][kv_head][head_dim]`.
+/// Keys and values of every layer and row, position-major: `[pos][kv_head][head_dim]`.
 pub struct KvCache {
-    k: Vec<Vec<f32>>,
-    v: Vec<Vec<f32>>,
+    /// `[layer][row]`.
+    k: Vec<Vec<Vec<f32>>>,
+    v: Vec<Vec<Vec<f32>>>,
     len: usize,
+    /// Left padding of each row.
+    pad: Vec<usize>,
 }
 
 impl KvCache {
+    /// A cache for one sequence.
     pub fn new(cfg: &ModelConfig) -> Self {
+        Self::batch(cfg, &[0])
+    }
+    /// A cache for rows whose first `left_padding[b]` tokens are padding.
+    pub fn batch(cfg: &ModelConfig, left_padding: &[usize]) -> Self {
+        let rows = left_padding.len();
         KvCache {
-            k: vec![Vec::new(); cfg.n_layers()],
-            v: vec![Vec::new(); cfg.n_layers()],
+            k: vec![vec![Vec::new(); rows]; cfg.n_layers()],
+            v: vec![vec![Vec::new(); rows]; cfg.n_layers()],
             len: 0,
+            pad: left_padding.to_vec(),
         }
     }
-    /// Positions stored.
+    /// Positions stored (per row, padding included).
     pub fn len(&self) -> usize {
         self.len
     }
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+    /// Rows in the batch.
+    pub fn rows(&self) -> usize {
+        self.pad.len()
+    }
     /// Bytes held.
     pub fn n_bytes(&self) -> usize {
-        self.k.iter().chain(&self.v).map(|b| b.capacity() * 4).sum()
+        self.k
+            .iter()
+            .chain(&self.v)
+            .flatten()
+            .map(|b| b.capacity() * 4)
+            .sum()
     }
 }
 
@@ -44,44 +67,58 @@ pub enum Logits {
 pub struct Decoder {
     pub cfg: ModelConfig,
     pub weights: Weights,
-    /// Per layer: the RoPE inverse frequencies, one per rotated pair.
-    inv_freq: Vec<Vec<f32>>,
 }
 
-/// `base^(-2i/dims)` evaluated as `2^(-(i / (dims/2)) * log2(base))` in f32, as mlx's rope
-/// kernels do.
-fn rope_inv_freq(dims: usize, base: f32) -> Vec<f32> {
-    let half = dims / 2;
-    let log2_base = base.log2();
-    (0..half)
-        .map(|i| (-(i as f32 / half as f32) * log2_base).exp2())
-        .collect()
+fn norm(x: &mut [f32], w: &NormWeights, kind: Norm, eps: f32) {
+    match (kind, &w.b) {
+        (Norm::Layer, Some(b)) => cpu::layer_norm(x, &w.w, b, eps),
+        _ => cpu::rms_norm(x, &w.w, eps),
+    }
+}
+
+/// `y = x W^T (+ b)` for `n` rows.
+fn linear(x: &[f32], n: usize, l: &Linear, y: &mut [f32]) {
+    cpu::matmul(x, n, &l.w, y);
+    if let Some(b) = &l.b {
+        y.chunks_mut(b.len())
+            .for_each(|r| r.iter_mut().zip(b).for_each(|(v, c)| *v += c));
+    }
 }
 
 impl Decoder {
     pub fn new(cfg: ModelConfig, weights: Weights) -> Self {
-        let inv_freq = cfg
-            .layers
-            .iter()
-            .map(|l| rope_inv_freq(l.rope.dims, l.rope.base))
-            .collect();
-        Decoder {
-            cfg,
-            weights,
-            inv_freq,
-        }
+        Decoder { cfg, weights }
     }
 
     /// Runs `tokens` at positions `cache.len()..`, appends their keys and values to the cache, and
     /// returns logits (`vocab` values per requested position).
     pub fn forward(&self, tokens: &[u32], cache: &mut KvCache, want: Logits) -> Vec<f32> {
+        assert_eq!(
+            cache.rows(),
+            1,
+            "forward runs one sequence; use forward_batch"
+        );
+        self.forward_batch(tokens, cache, want)
+    }
+
+    /// Runs `cache.rows()` rows of `tokens.len() / rows` tokens each (row-major), at positions
+    /// `cache.len()..` of each row; returns logits row by row (every position, or each row's
+    /// last).
+    pub fn forward_batch(&self, tokens: &[u32], cache: &mut KvCache, want: Logits) -> Vec<f32> {
         let cfg = &self.cfg;
-        let (n, h, hd) = (tokens.len(), cfg.hidden, cfg.head_dim);
+        let rows = cache.rows();
+        assert!(
+            rows > 0 && tokens.len().is_multiple_of(rows),
+            "tokens do not split into rows"
+        );
+        let n = tokens.len() / rows;
+        let m = tokens.len();
+        let (h, hd) = (cfg.hidden, cfg.head_dim);
         let start = cache.len;
         let q_dim = cfg.n_heads * hd;
         let kv_dim = cfg.n_kv_heads * hd;
 
-        let mut x = vec![0.0f32; n * h];
+        let mut x = vec![0.0f32; m * h];
         for (t, &id) in tokens.iter().enumerate() {
             let row = &mut x[t * h..(t + 1) * h];
             self.weights.embed.dequantize_row(id as usize, row);
@@ -90,96 +127,141 @@ impl Decoder {
             }
         }
 
-        let mut xn = vec![0.0f32; n * h];
-        let mut q = vec![0.0f32; n * q_dim];
-        let mut k = vec![0.0f32; n * kv_dim];
-        let mut v = vec![0.0f32; n * kv_dim];
-        let mut attn = vec![0.0f32; n * q_dim];
-        let mut proj = vec![0.0f32; n * h];
-        let mut gate = vec![0.0f32; n * cfg.intermediate];
-        let mut up = vec![0.0f32; n * cfg.intermediate];
+        let mut xn = vec![0.0f32; m * h];
+        let mut q = vec![0.0f32; m * q_dim];
+        let mut k = vec![0.0f32; m * kv_dim];
+        let mut v = vec![0.0f32; m * kv_dim];
+        let mut attn = vec![0.0f32; m * q_dim];
+        let mut proj = vec![0.0f32; m * h];
+        let mut gate = vec![0.0f32; m * cfg.intermediate];
+        let mut up = vec![0.0f32; m * cfg.intermediate];
+        let act = match cfg.activation {
+            Activation::Silu => cpu::silu,
+            Activation::GeluTanh => cpu::gelu_tanh,
+            Activation::Gelu => cpu::gelu,
+        };
+        // Adds a layer's output to the residual stream (after its post-norm, if any).
+        let residual = |x: &mut [f32], out: &mut [f32], post: &Option<NormWeights>| {
+            if let Some(w) = post {
+                out.chunks_mut(h)
+                    .for_each(|r| norm(r, w, cfg.norm, cfg.norm_eps));
+            }
+            match cfg.residual_scale {
+                Some(s) => x.iter_mut().zip(&*out).for_each(|(a, b)| *a += b * s),
+                None => x.iter_mut().zip(&*out).for_each(|(a, b)| *a += b),
+            }
+        };
 
         for (l, (lw, spec)) in self.weights.layers.iter().zip(&cfg.layers).enumerate() {
             xn.copy_from_slice(&x);
-            xn.chunks_mut(h)
-                .for_each(|r| cpu::rms_norm(r, &lw.attn_norm, cfg.norm_eps));
-            cpu::matmul(&xn, n, &lw.q, &mut q);
-            cpu::matmul(&xn, n, &lw.k, &mut k);
-            cpu::matmul(&xn, n, &lw.v, &mut v);
+            if let Some(w) = &lw.attn_norm {
+                xn.chunks_mut(h)
+                    .for_each(|r| norm(r, w, cfg.norm, cfg.norm_eps));
+            }
+            linear(&xn, m, &lw.q, &mut q);
+            linear(&xn, m, &lw.k, &mut k);
+            linear(&xn, m, &lw.v, &mut v);
             if let (Some(qn), Some(kn)) = (&lw.q_norm, &lw.k_norm) {
-                cpu::rms_norm_chunks(&mut q, qn, cfg.norm_eps);
-                cpu::rms_norm_chunks(&mut k, kn, cfg.norm_eps);
-            }
-            let inv_freq = &self.inv_freq[l];
-            for t in 0..n {
-                let pos = (start + t) as f32 * spec.rope.position_scale;
-                for head in q[t * q_dim..(t + 1) * q_dim].chunks_mut(hd) {
-                    cpu::rope(
-                        &mut head[..spec.rope.dims],
-                        pos,
-                        inv_freq,
-                        spec.rope.interleaved,
-                    );
-                }
-                for head in k[t * kv_dim..(t + 1) * kv_dim].chunks_mut(hd) {
-                    cpu::rope(
-                        &mut head[..spec.rope.dims],
-                        pos,
-                        inv_freq,
-                        spec.rope.interleaved,
-                    );
+                match cfg.qk_norm {
+                    QkNorm::Whole => {
+                        q.chunks_mut(q_dim)
+                            .for_each(|r| cpu::rms_norm(r, qn, cfg.norm_eps));
+                        k.chunks_mut(kv_dim)
+                            .for_each(|r| cpu::rms_norm(r, kn, cfg.norm_eps));
+                    }
+                    _ => {
+                        cpu::rms_norm_chunks(&mut q, qn, cfg.norm_eps);
+                        cpu::rms_norm_chunks(&mut k, kn, cfg.norm_eps);
+                    }
                 }
             }
-            cache.k[l].extend_from_slice(&k);
-            cache.v[l].extend_from_slice(&v);
-            self.attention(
-                &q,
-                &cache.k[l],
-                &cache.v[l],
-                start,
-                spec.sliding_window,
-                &mut attn,
-            );
-
-            cpu::matmul(&attn, n, &lw.o, &mut proj);
-            if let Some(w) = &lw.post_attn_norm {
-                proj.chunks_mut(h)
-                    .for_each(|r| cpu::rms_norm(r, w, cfg.norm_eps));
+            if let Some(rope) = &spec.rope {
+                // Dynamic NTK depends on the row's own length (padding excluded).
+                let inv: Vec<Vec<f32>> = if rope.is_dynamic() {
+                    cache
+                        .pad
+                        .iter()
+                        .map(|p| rope.inv_freq(start + n - p))
+                        .collect()
+                } else {
+                    vec![rope.inv_freq(start + n)]
+                };
+                let half = rope.dims / 2;
+                let (mut cos, mut sin) = (vec![0.0f32; half], vec![0.0f32; half]);
+                for i in 0..m {
+                    let (b, t) = (i / n, i % n);
+                    let inv_freq = &inv[b.min(inv.len() - 1)];
+                    // Positions count from the row's first real token.
+                    let pos = (start + t) as i64 - cache.pad[b] as i64;
+                    rope.cos_sin(pos, inv_freq, &mut cos, &mut sin);
+                    for head in q[i * q_dim..(i + 1) * q_dim].chunks_mut(hd) {
+                        rope.rotate(head, &cos, &sin);
+                    }
+                    for head in k[i * kv_dim..(i + 1) * kv_dim].chunks_mut(hd) {
+                        rope.rotate(head, &cos, &sin);
+                    }
+                }
             }
-            x.iter_mut().zip(&proj).for_each(|(a, b)| *a += b);
+            for b in 0..rows {
+                cache.k[l][b].extend_from_slice(&k[b * n * kv_dim..(b + 1) * n * kv_dim]);
+                cache.v[l][b].extend_from_slice(&v[b * n * kv_dim..(b + 1) * n * kv_dim]);
+            }
+            for b in 0..rows {
+                self.attention(
+                    &q[b * n * q_dim..(b + 1) * n * q_dim],
+                    &cache.k[l][b],
+                    &cache.v[l][b],
+                    start,
+                    cache.pad[b],
+                    spec.sliding_window,
+                    &mut attn[b * n * q_dim..(b + 1) * n * q_dim],
+                );
+            }
+            linear(&attn, m, &lw.o, &mut proj);
+            residual(&mut x, &mut proj, &lw.post_attn_norm);
 
             xn.copy_from_slice(&x);
-            xn.chunks_mut(h)
-                .for_each(|r| cpu::rms_norm(r, &lw.ffn_norm, cfg.norm_eps));
-            cpu::matmul(&xn, n, &lw.gate, &mut gate);
-            cpu::matmul(&xn, n, &lw.up, &mut up);
-            let act = match cfg.activation {
-                Activation::Silu => cpu::silu,
-                Activation::GeluTanh => cpu::gelu_tanh,
-            };
-            gate.iter_mut().zip(&up).for_each(|(g, u)| *g = act(*g) * u);
-            cpu::matmul(&gate, n, &lw.down, &mut proj);
-            if let Some(w) = &lw.post_ffn_norm {
-                proj.chunks_mut(h)
-                    .for_each(|r| cpu::rms_norm(r, w, cfg.norm_eps));
+            if let Some(w) = &lw.ffn_norm {
+                xn.chunks_mut(h)
+                    .for_each(|r| norm(r, w, cfg.norm, cfg.norm_eps));
             }
-            x.iter_mut().zip(&proj).for_each(|(a, b)| *a += b);
+            linear(&xn, m, &lw.up, &mut up);
+            match (cfg.mlp, &lw.gate) {
+                (Mlp::Gated, Some(g)) => {
+                    linear(&xn, m, g, &mut gate);
+                    gate.iter_mut().zip(&up).for_each(|(g, u)| *g = act(*g) * u);
+                }
+                _ => gate.iter_mut().zip(&up).for_each(|(g, u)| *g = act(*u)),
+            }
+            linear(&gate, m, &lw.down, &mut proj);
+            residual(&mut x, &mut proj, &lw.post_ffn_norm);
         }
         cache.len += n;
 
-        let rows: &mut [f32] = match want {
-            Logits::Last => &mut x[(n - 1) * h..],
-            Logits::All => &mut x,
+        let rows_out: Vec<f32> = match want {
+            Logits::Last => (0..rows)
+                .flat_map(|b| x[((b + 1) * n - 1) * h..(b + 1) * n * h].iter().copied())
+                .collect(),
+            Logits::All => x,
         };
-        rows.chunks_mut(h)
-            .for_each(|r| cpu::rms_norm(r, &self.weights.final_norm, cfg.norm_eps));
-        let m = rows.len() / h;
-        let mut logits = vec![0.0f32; m * cfg.vocab];
-        cpu::matmul(rows, m, &self.weights.lm_head, &mut logits);
+        let mut rows_out = rows_out;
+        rows_out
+            .chunks_mut(h)
+            .for_each(|r| norm(r, &self.weights.final_norm, cfg.norm, cfg.norm_eps));
+        let mo = rows_out.len() / h;
+        let mut logits = vec![0.0f32; mo * cfg.vocab];
+        cpu::matmul(&rows_out, mo, &self.weights.lm_head, &mut logits);
+        if let Some(cap) = cfg.final_softcap {
+            logits.iter_mut().for_each(|v| *v = cpu::softcap(*v, cap));
+        }
+        if let Some(d) = cfg.logits_divisor {
+            logits.iter_mut().for_each(|v| *v /= d);
+        }
         logits
     }
 
-    /// Causal attention of the new queries (positions `start..start+n`) over the cache.
+    /// Causal attention of one row's new queries (positions `start..start+n`) over its cache;
+    /// keys before `pad` are padding and never attended to.
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
@@ -187,6 +269,7 @@ impl Decoder {
         keys: &[f32],
         values: &[f32],
         start: usize,
+        pad: usize,
         window: Option<usize>,
         out: &mut [f32],
     ) {
@@ -199,7 +282,12 @@ impl Decoder {
             .for_each_init(Vec::new, |scores, (i, o)| {
                 let (t, head) = (i / cfg.n_heads, i % cfg.n_heads);
                 let pos = start + t;
-                let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w)).max(pad);
+                o.fill(0.0);
+                if lo > pos {
+                    // A padding query: nothing to attend to, and nobody reads its output.
+                    return;
+                }
                 let kvh = head / group;
                 let qh: Vec<f32> = q[i * hd..(i + 1) * hd]
                     .iter()
@@ -209,8 +297,10 @@ impl Decoder {
                 scores.extend(
                     (lo..=pos).map(|j| cpu::dot(&qh, &keys[j * kv_dim + kvh * hd..][..hd])),
                 );
+                if let Some(cap) = cfg.attn_softcap {
+                    scores.iter_mut().for_each(|s| *s = cpu::softcap(*s, cap));
+                }
                 cpu::softmax(scores);
-                o.fill(0.0);
                 for (j, &p) in (lo..=pos).zip(scores.iter()) {
                     let vj = &values[j * kv_dim + kvh * hd..][..hd];
                     o.iter_mut().zip(vj).for_each(|(a, b)| *a += p * b);

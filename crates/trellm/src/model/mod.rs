@@ -2,7 +2,10 @@
 
 pub mod config;
 pub mod decoder;
+pub mod families;
 pub mod load;
+pub mod mlx_math;
+pub mod rope;
 pub mod weights;
 
 pub use config::ModelConfig;

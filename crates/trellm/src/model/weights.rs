@@ -8,7 +8,7 @@ use trellm_formats::gguf::Gguf;
 use trellm_formats::safetensors::{Dtype, SafeTensors};
 use trellm_quant::GgmlType;
 
-use super::config::{Family, ModelConfig};
+use super::config::{Mlp, ModelConfig, Norm, QkNorm};
 
 /// A row-major matrix `[rows, cols]` in any ggml block format, borrowed from a memory map.
 #[derive(Clone)]
@@ -160,26 +160,39 @@ fn st_type(name: &str, dtype: Dtype, dtype_name: &str) -> Result<GgmlType> {
     })
 }
 
+/// A projection `y = W x (+ b)`.
+pub struct Linear {
+    pub w: Matrix,
+    pub b: Option<Vec<f32>>,
+}
+
+/// A norm's scale (the f32 value the reference multiplies by) and, for LayerNorm, its bias.
+pub struct NormWeights {
+    pub w: Vec<f32>,
+    pub b: Option<Vec<f32>>,
+}
+
 pub struct LayerWeights {
-    pub attn_norm: Vec<f32>,
-    pub q: Matrix,
-    pub k: Matrix,
-    pub v: Matrix,
-    pub o: Matrix,
+    pub attn_norm: Option<NormWeights>,
+    pub q: Linear,
+    pub k: Linear,
+    pub v: Linear,
+    pub o: Linear,
     pub q_norm: Option<Vec<f32>>,
     pub k_norm: Option<Vec<f32>>,
-    pub post_attn_norm: Option<Vec<f32>>,
-    pub ffn_norm: Vec<f32>,
-    pub gate: Matrix,
-    pub up: Matrix,
-    pub down: Matrix,
-    pub post_ffn_norm: Option<Vec<f32>>,
+    pub post_attn_norm: Option<NormWeights>,
+    pub ffn_norm: Option<NormWeights>,
+    /// None for a plain (ungated) MLP.
+    pub gate: Option<Linear>,
+    pub up: Linear,
+    pub down: Linear,
+    pub post_ffn_norm: Option<NormWeights>,
 }
 
 pub struct Weights {
     pub embed: Matrix,
     pub layers: Vec<LayerWeights>,
-    pub final_norm: Vec<f32>,
+    pub final_norm: NormWeights,
     /// The output projection; the embedding itself when they are tied.
     pub lm_head: Matrix,
 }
@@ -218,29 +231,45 @@ fn gguf_name(role: Role, l: usize) -> String {
         Role::Down => "ffn_down",
         Role::PostFfnNorm => "post_ffw_norm",
     };
-    format!("blk.{l}.{s}.weight")
+    format!("blk.{l}.{s}")
 }
 
-fn hf_name(family: Family, role: Role, l: usize) -> String {
-    let s = match (family, role) {
-        (_, Role::AttnNorm) => "input_layernorm",
-        (_, Role::Q) => "self_attn.q_proj",
-        (_, Role::K) => "self_attn.k_proj",
-        (_, Role::V) => "self_attn.v_proj",
-        (_, Role::O) => "self_attn.o_proj",
-        (_, Role::QNorm) => "self_attn.q_norm",
-        (_, Role::KNorm) => "self_attn.k_norm",
-        // Llama's norm before the MLP is called post_attention_layernorm; gemma's sandwich norms
-        // give that name its literal meaning.
-        (Family::Llama, Role::FfnNorm) => "post_attention_layernorm",
-        (_, Role::PostAttnNorm) => "post_attention_layernorm",
-        (_, Role::FfnNorm) => "pre_feedforward_layernorm",
-        (_, Role::Gate) => "mlp.gate_proj",
-        (_, Role::Up) => "mlp.up_proj",
-        (_, Role::Down) => "mlp.down_proj",
-        (_, Role::PostFfnNorm) => "post_feedforward_layernorm",
+/// Hugging Face names (without `.weight`/`.bias`). They follow from the layout: the fused
+/// matrices of phi3 are looked up by `fused_name`.
+fn hf_name(cfg: &ModelConfig, role: Role, l: usize) -> String {
+    let s = match role {
+        Role::AttnNorm => "input_layernorm",
+        Role::Q => "self_attn.q_proj",
+        Role::K => "self_attn.k_proj",
+        Role::V => "self_attn.v_proj",
+        Role::O => "self_attn.o_proj",
+        Role::QNorm => "self_attn.q_norm",
+        Role::KNorm => "self_attn.k_norm",
+        // Llama's norm before the MLP is called post_attention_layernorm; with post-norms
+        // (gemma2/3, olmo2) that name takes its literal meaning.
+        Role::FfnNorm if !cfg.post_norms => "post_attention_layernorm",
+        Role::FfnNorm => "pre_feedforward_layernorm",
+        Role::PostAttnNorm => "post_attention_layernorm",
+        Role::Gate => "mlp.gate_proj",
+        Role::Up if cfg.mlp == Mlp::Plain => "mlp.c_fc",
+        Role::Up => "mlp.up_proj",
+        Role::Down if cfg.mlp == Mlp::Plain => "mlp.c_proj",
+        Role::Down => "mlp.down_proj",
+        Role::PostFfnNorm => "post_feedforward_layernorm",
     };
-    format!("model.layers.{l}.{s}.weight")
+    format!("model.layers.{l}.{s}")
+}
+
+impl Matrix {
+    /// Rows `start..start + n` as a matrix of their own (a view of the same bytes).
+    fn rows_view(&self, start: usize, n: usize) -> Matrix {
+        assert!(start + n <= self.rows);
+        Matrix {
+            rows: n,
+            offset: self.offset + start * self.row_bytes,
+            ..self.clone()
+        }
+    }
 }
 
 impl Weights {
@@ -250,75 +279,140 @@ impl Weights {
             if gguf {
                 gguf_name(role, l)
             } else {
-                hf_name(cfg.family, role, l)
+                hf_name(cfg, role, l)
             }
         };
         let (embed_name, norm_name, head_name) = if gguf {
-            ("token_embd.weight", "output_norm.weight", "output.weight")
+            ("token_embd.weight", "output_norm", "output.weight")
         } else {
-            (
-                "model.embed_tokens.weight",
-                "model.norm.weight",
-                "lm_head.weight",
-            )
+            ("model.embed_tokens.weight", "model.norm", "lm_head.weight")
         };
         // Gemma computes RMSNorm with (1 + w). HF folders store w; GGUF stores 1 + w, which we
         // take apart and rebuild so the f32 value equals the reference's 1 + w bit for bit.
-        let norm = |n: &str, len| -> Result<Vec<f32>> {
-            let mut v = src.vector(n, len)?;
-            if cfg.family == Family::Gemma3 {
+        let scale = |n: &str, len| -> Result<Vec<f32>> {
+            let mut v = src.vector(&format!("{n}.weight"), len)?;
+            if cfg.norm_plus_one {
                 for x in &mut v {
                     *x = if gguf { (*x - 1.0) + 1.0 } else { 1.0 + *x };
                 }
             }
             Ok(v)
         };
-        let (h, hd) = (cfg.hidden, cfg.head_dim);
+        let norm = |n: &str, len| -> Result<NormWeights> {
+            Ok(NormWeights {
+                w: scale(n, len)?,
+                b: match cfg.norm {
+                    Norm::Rms => None,
+                    Norm::Layer => Some(src.vector(&format!("{n}.bias"), len)?),
+                },
+            })
+        };
+        let linear = |n: &str, rows, cols, bias: bool| -> Result<Linear> {
+            Ok(Linear {
+                w: src.matrix(&format!("{n}.weight"), rows, cols)?,
+                b: if bias {
+                    Some(src.vector(&format!("{n}.bias"), rows)?)
+                } else {
+                    None
+                },
+            })
+        };
+        let (h, hd, ff) = (cfg.hidden, cfg.head_dim, cfg.intermediate);
         let q_rows = cfg.n_heads * hd;
         let kv_rows = cfg.n_kv_heads * hd;
         let mut layers = Vec::with_capacity(cfg.n_layers());
         for l in 0..cfg.n_layers() {
-            let opt_norm = |role, len| -> Result<Option<Vec<f32>>> {
-                let n = name(role, l);
-                if src.has(&n) {
-                    norm(&n, len).map(Some)
+            let nm = |role| name(role, l);
+            let (q, k, v) = if cfg.fused_qkv {
+                let n = format!("model.layers.{l}.self_attn.qkv_proj.weight");
+                let m = src.matrix(&n, q_rows + 2 * kv_rows, h)?;
+                let part = |start, rows| Linear {
+                    w: m.rows_view(start, rows),
+                    b: None,
+                };
+                (
+                    part(0, q_rows),
+                    part(q_rows, kv_rows),
+                    part(q_rows + kv_rows, kv_rows),
+                )
+            } else {
+                (
+                    linear(&nm(Role::Q), q_rows, h, cfg.qkv_bias)?,
+                    linear(&nm(Role::K), kv_rows, h, cfg.qkv_bias)?,
+                    linear(&nm(Role::V), kv_rows, h, cfg.qkv_bias)?,
+                )
+            };
+            let (gate, up) = match (cfg.mlp, cfg.fused_gate_up) {
+                (Mlp::Plain, _) => (None, linear(&nm(Role::Up), ff, h, cfg.mlp_bias)?),
+                (Mlp::Gated, true) => {
+                    let n = format!("model.layers.{l}.mlp.gate_up_proj.weight");
+                    let m = src.matrix(&n, 2 * ff, h)?;
+                    let part = |start| Linear {
+                        w: m.rows_view(start, ff),
+                        b: None,
+                    };
+                    (Some(part(0)), part(ff))
+                }
+                (Mlp::Gated, false) => (
+                    Some(linear(&nm(Role::Gate), ff, h, cfg.mlp_bias)?),
+                    linear(&nm(Role::Up), ff, h, cfg.mlp_bias)?,
+                ),
+            };
+            let (qn_len, kn_len) = match cfg.qk_norm {
+                QkNorm::Whole => (q_rows, kv_rows),
+                _ => (hd, hd),
+            };
+            let opt_scale = |role, len| -> Result<Option<Vec<f32>>> {
+                let n = nm(role);
+                if src.has(&format!("{n}.weight")) {
+                    scale(&n, len).map(Some)
                 } else {
                     Ok(None)
                 }
             };
             let lw = LayerWeights {
-                attn_norm: norm(&name(Role::AttnNorm, l), h)?,
-                q: src.matrix(&name(Role::Q, l), q_rows, h)?,
-                k: src.matrix(&name(Role::K, l), kv_rows, h)?,
-                v: src.matrix(&name(Role::V, l), kv_rows, h)?,
-                o: src.matrix(&name(Role::O, l), h, q_rows)?,
-                q_norm: opt_norm(Role::QNorm, hd)?,
-                k_norm: opt_norm(Role::KNorm, hd)?,
-                post_attn_norm: if cfg.sandwich_norms {
-                    Some(norm(&name(Role::PostAttnNorm, l), h)?)
+                attn_norm: if cfg.pre_norms {
+                    Some(norm(&nm(Role::AttnNorm), h)?)
                 } else {
                     None
                 },
-                ffn_norm: norm(&name(Role::FfnNorm, l), h)?,
-                gate: src.matrix(&name(Role::Gate, l), cfg.intermediate, h)?,
-                up: src.matrix(&name(Role::Up, l), cfg.intermediate, h)?,
-                down: src.matrix(&name(Role::Down, l), h, cfg.intermediate)?,
-                post_ffn_norm: if cfg.sandwich_norms {
-                    Some(norm(&name(Role::PostFfnNorm, l), h)?)
+                q,
+                k,
+                v,
+                o: linear(&nm(Role::O), h, q_rows, cfg.o_bias)?,
+                q_norm: opt_scale(Role::QNorm, qn_len)?,
+                k_norm: opt_scale(Role::KNorm, kn_len)?,
+                post_attn_norm: if cfg.post_norms {
+                    Some(norm(&nm(Role::PostAttnNorm), h)?)
+                } else {
+                    None
+                },
+                ffn_norm: if cfg.pre_norms {
+                    Some(norm(&nm(Role::FfnNorm), h)?)
+                } else {
+                    None
+                },
+                gate,
+                up,
+                down: linear(&nm(Role::Down), h, ff, cfg.mlp_bias)?,
+                post_ffn_norm: if cfg.post_norms {
+                    Some(norm(&nm(Role::PostFfnNorm), h)?)
                 } else {
                     None
                 },
             };
-            if cfg.qk_norm && (lw.q_norm.is_none() || lw.k_norm.is_none()) {
+            if cfg.qk_norm != QkNorm::None && (lw.q_norm.is_none() || lw.k_norm.is_none()) {
                 bail!("layer {l} lacks its q/k norm weights");
             }
             layers.push(lw);
         }
         let embed = src.matrix(embed_name, cfg.vocab, h)?;
-        let lm_head = if src.has(head_name) {
-            src.matrix(head_name, cfg.vocab, h)?
-        } else {
+        // GGUF ties by leaving output.weight out; a HF config says so (and mlx-lm then ignores
+        // any lm_head tensor).
+        let lm_head = if cfg.tied_embeddings {
             embed.clone()
+        } else {
+            src.matrix(head_name, cfg.vocab, h)?
         };
         Ok(Weights {
             embed,
