@@ -3,6 +3,7 @@
 use thiserror::Error;
 
 mod blocks;
+pub mod dot;
 
 #[derive(Debug, Error)]
 pub enum QuantError {
@@ -174,7 +175,7 @@ impl GgmlType {
 
     /// Bytes needed for `n` values (n must be a multiple of the block length).
     pub fn bytes_for(self, n: usize) -> Option<usize> {
-        if n % self.block_len() != 0 {
+        if !n.is_multiple_of(self.block_len()) {
             return None;
         }
         (n / self.block_len()).checked_mul(self.block_bytes())
@@ -215,7 +216,7 @@ pub fn dequantize(ty: GgmlType, src: &[u8], out: &mut [f32]) -> Result<(), Quant
         }
     };
     let block = ty.block_bytes();
-    if src.len() % block != 0 {
+    if !src.len().is_multiple_of(block) {
         return Err(QuantError::Misaligned {
             ty,
             len: src.len(),

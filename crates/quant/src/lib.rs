@@ -3,6 +3,8 @@
 //! Pure functions over byte slices; no I/O and no threading. Every fast kernel elsewhere is tested
 //! against these scalar decoders.
 
+pub mod exl3;
 pub mod ggml;
 
+pub use ggml::dot::{dot_block, dot_rows};
 pub use ggml::{dequantize, dequantize_row, GgmlType, QuantError};

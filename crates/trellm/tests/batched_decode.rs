@@ -74,8 +74,10 @@ fn check(name: &str, a: &[u32], b: &[u32], steps: usize) {
             let got = &logits[row * vocab..(row + 1) * vocab];
             let d = max_diff(got, &al[step]);
             worst = worst.max(d);
+            // A batch may take a different (equally exact) matmul path than a single row, which
+            // reorders f32 sums: agreement is to rounding, the tolerance of the mlx-lm oracle.
             assert!(
-                d <= 1e-5,
+                d <= 1e-4,
                 "{name}: row {row} step {step}: batched logits differ from alone by {d:e}"
             );
             next.push(argmax(&al[step]));

@@ -2,15 +2,45 @@
 
 use rayon::prelude::*;
 
-use crate::model::weights::Matrix;
+use trellm_quant::ggml::dot::{best_level, Level};
+
+use crate::model::weights::{Exl3Matrix, LinearWeight, Matrix};
 
 /// Rows per parallel task: large enough to amortize scheduling, small enough to balance.
 const ROWS_PER_TASK: usize = 16;
 
-/// f32 dot product with several independent accumulators, so the compiler can vectorize it.
+/// f32 dot product on the widest vector unit this CPU has.
 #[inline]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
+    #[cfg(target_arch = "x86_64")]
+    match best_level() {
+        // SAFETY: the level was detected on this CPU.
+        Level::Avx512 => return unsafe { simd::dot_avx512(a, b) },
+        Level::Avx2 => return unsafe { simd::dot_avx2(a, b) },
+        Level::Scalar => {}
+    }
+    dot_generic(a, b)
+}
+
+/// `y += a * x`, on the widest vector unit this CPU has.
+#[inline]
+pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
+    debug_assert_eq!(x.len(), y.len());
+    #[cfg(target_arch = "x86_64")]
+    match best_level() {
+        // SAFETY: the level was detected on this CPU.
+        Level::Avx512 => return unsafe { simd::axpy_avx512(a, x, y) },
+        Level::Avx2 => return unsafe { simd::axpy_avx2(a, x, y) },
+        Level::Scalar => {}
+    }
+    axpy_generic(a, x, y)
+}
+
+/// Several independent accumulators, so the compiler vectorizes it for whatever features the
+/// caller was compiled with.
+#[inline(always)]
+fn dot_generic(a: &[f32], b: &[f32]) -> f32 {
     const L: usize = 16;
     let mut acc = [0.0f32; L];
     let (ca, ra) = a.split_at(a.len() / L * L);
@@ -27,42 +57,141 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + s
 }
 
-/// `y[t][r] = sum_c x[t][c] * w[r][c]` for `n` activation rows. Each weight row is decoded once
-/// and used for every activation row.
+#[inline(always)]
+fn axpy_generic(a: f32, x: &[f32], y: &mut [f32]) {
+    for (v, w) in y.iter_mut().zip(x) {
+        *v += a * w;
+    }
+}
+
+/// The generic loops compiled for specific instruction sets, chosen at run time.
+#[cfg(target_arch = "x86_64")]
+mod simd {
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub unsafe fn dot_avx512(a: &[f32], b: &[f32]) -> f32 {
+        super::dot_generic(a, b)
+    }
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
+        super::dot_generic(a, b)
+    }
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub unsafe fn axpy_avx512(a: f32, x: &[f32], y: &mut [f32]) {
+        super::axpy_generic(a, x, y)
+    }
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn axpy_avx2(a: f32, x: &[f32], y: &mut [f32]) {
+        super::axpy_generic(a, x, y)
+    }
+}
+
+/// Activation rows per kernel call in prefill: their f32 values (cols × 4 bytes each) stay in L2
+/// while a task's weight rows stay in L1.
+const X_ROWS_PER_PASS: usize = 64;
+
+/// `y[t][r] = sum_c x[t][c] * w[r][c]` for `n` activation rows (`x` is n × cols, `y` n × rows).
+///
+/// Weights are decoded inside the SIMD dot kernels (exactly, as [`matmul_reference`] decodes them)
+/// and used for several activation rows per decode; parallel over blocks of weight rows.
 pub fn matmul(x: &[f32], n: usize, w: &Matrix, y: &mut [f32]) {
     let (rows, cols) = (w.rows, w.cols);
     debug_assert_eq!(x.len(), n * cols);
     debug_assert_eq!(y.len(), n * rows);
     if n == 1 {
-        y.par_chunks_mut(ROWS_PER_TASK).enumerate().for_each_init(
-            || vec![0.0f32; cols],
-            |buf, (chunk, out)| {
-                for (i, o) in out.iter_mut().enumerate() {
-                    w.dequantize_row(chunk * ROWS_PER_TASK + i, buf);
-                    *o = dot(buf, x);
-                }
-            },
-        );
+        y.par_chunks_mut(ROWS_PER_TASK)
+            .enumerate()
+            .for_each(|(chunk, out)| {
+                let r0 = chunk * ROWS_PER_TASK;
+                trellm_quant::dot_block(w.ty, w.rows_bytes(r0, out.len()), out.len(), x, 1, out);
+            });
         return;
     }
-    // Row-major over weights, then transposed into token-major output.
+    if n >= GEMM_MIN_ROWS {
+        return matmul_gemm(x, n, w, y);
+    }
+    // Weight-row-major result blocks, transposed into token-major output at the end.
     let mut yt = vec![0.0f32; n * rows];
     yt.par_chunks_mut(ROWS_PER_TASK * n)
         .enumerate()
-        .for_each_init(
-            || vec![0.0f32; cols],
-            |buf, (chunk, out)| {
-                for (i, orow) in out.chunks_mut(n).enumerate() {
-                    w.dequantize_row(chunk * ROWS_PER_TASK + i, buf);
-                    for (t, o) in orow.iter_mut().enumerate() {
-                        *o = dot(buf, &x[t * cols..(t + 1) * cols]);
-                    }
+        .for_each_init(Vec::new, |tmp, (chunk, out)| {
+            let r0 = chunk * ROWS_PER_TASK;
+            let m = out.len() / n;
+            let wrows = w.rows_bytes(r0, m);
+            for t0 in (0..n).step_by(X_ROWS_PER_PASS) {
+                let nt = X_ROWS_PER_PASS.min(n - t0);
+                tmp.resize(m * nt, 0.0);
+                trellm_quant::dot_block(w.ty, wrows, m, &x[t0 * cols..(t0 + nt) * cols], nt, tmp);
+                for i in 0..m {
+                    out[i * n + t0..i * n + t0 + nt].copy_from_slice(&tmp[i * nt..(i + 1) * nt]);
                 }
-            },
+            }
+        });
+    y.par_chunks_mut(rows).enumerate().for_each(|(t, yrow)| {
+        for (r, v) in yrow.iter_mut().enumerate() {
+            *v = yt[r * n + t];
+        }
+    });
+}
+
+/// Activation rows from which decoding the whole weight matrix to f32 once and running a dense
+/// GEMM beats decoding blocks inside the dot kernels.
+const GEMM_MIN_ROWS: usize = 24;
+
+/// Prefill: the weights decoded exactly to f32 (in parallel), then `y = x · wᵀ` by the `gemm`
+/// crate, which writes straight into the token-major output.
+fn matmul_gemm(x: &[f32], n: usize, w: &Matrix, y: &mut [f32]) {
+    let (rows, cols) = (w.rows, w.cols);
+    let mut wf = vec![0.0f32; rows * cols];
+    wf.par_chunks_mut(cols * ROWS_PER_TASK)
+        .enumerate()
+        .for_each(|(chunk, out)| {
+            let r0 = chunk * ROWS_PER_TASK;
+            let m = out.len() / cols;
+            trellm_quant::dequantize(w.ty, w.rows_bytes(r0, m), out)
+                .expect("row geometry validated at load");
+        });
+    let threads = rayon::current_num_threads();
+    let par = if threads > 1 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
+    // SAFETY: dst is n x rows (row stride rows), lhs x is n x cols (row stride cols), rhs is wf
+    // read as cols x rows (element (c, r) at r * cols + c); all buffers hold exactly that.
+    unsafe {
+        gemm::gemm(
+            n,
+            rows,
+            cols,
+            y.as_mut_ptr(),
+            1,
+            rows as isize,
+            false,
+            x.as_ptr(),
+            1,
+            cols as isize,
+            wf.as_ptr(),
+            cols as isize,
+            1,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            par,
         );
+    }
+}
+
+/// The slow exact twin of [`matmul`]: each weight row decoded with the scalar reference decoder,
+/// then plain f32 dot products. Tests hold the fast path to it.
+pub fn matmul_reference(x: &[f32], n: usize, w: &Matrix, y: &mut [f32]) {
+    let (rows, cols) = (w.rows, w.cols);
+    let mut buf = vec![0.0f32; cols];
     for r in 0..rows {
+        w.dequantize_row(r, &mut buf);
         for t in 0..n {
-            y[t * rows + r] = yt[r * n + t];
+            y[t * rows + r] = dot(&buf, &x[t * cols..(t + 1) * cols]);
         }
     }
 }
@@ -92,7 +221,10 @@ pub fn silu(x: f32) -> f32 {
 #[inline]
 pub fn gelu_tanh(x: f32) -> f32 {
     const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-    0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)).tanh())
+    // 0.5·x·(1 + tanh(y)) = x / (1 + e^(-2y)): the same value without tanh's cost or the
+    // cancellation of 1 + tanh(y) for negative y.
+    let y = SQRT_2_OVER_PI * (x + 0.044715 * x * x * x);
+    x / (1.0 + (-2.0 * y).exp())
 }
 
 /// In-place softmax.
@@ -160,4 +292,49 @@ pub fn gelu(x: f32) -> f32 {
 #[inline]
 pub fn softcap(x: f32, cap: f32) -> f32 {
     (x / cap).tanh() * cap
+}
+
+/// `y[t][r] = sum_c x[t][c] * w[r][c]` for `n` activation rows, whatever the weight's format.
+pub fn linear(x: &[f32], n: usize, w: &LinearWeight, y: &mut [f32]) {
+    match w {
+        LinearWeight::Ggml(m) => matmul(x, n, m, y),
+        LinearWeight::Exl3(e) => exl3_matmul(x, n, e, y),
+    }
+}
+
+/// EXL3: `y = H(H(x * suh) W_inner) * svh`. The Hadamards go to the activations and outputs;
+/// the weights are decoded one 16x16 tile at a time, each tile once for all `n` rows. Work is
+/// split into 128-output bands (8 tiles side by side in memory, one output Hadamard block).
+fn exl3_matmul(x: &[f32], n: usize, w: &Exl3Matrix, y: &mut [f32]) {
+    use trellm_quant::exl3;
+    let (k, out) = (w.shape.k, w.shape.n);
+    debug_assert_eq!(x.len(), n * k);
+    debug_assert_eq!(y.len(), n * out);
+    let mut xh = x.to_vec();
+    xh.par_chunks_mut(k).for_each(|r| {
+        r.iter_mut().zip(&w.suh).for_each(|(v, s)| *v *= s);
+        exl3::hadamard128(r);
+    });
+    const BAND: usize = 128;
+    let trellis = w.trellis();
+    // Band-major results `[band][row][128]`, then scattered into token-major `y`.
+    let mut bands = vec![0.0f32; n * out];
+    bands
+        .par_chunks_mut(n * BAND)
+        .enumerate()
+        .for_each(|(b, buf)| {
+            let tn0 = b * BAND / 16;
+            exl3::matmul_inner(&w.shape, trellis, &xh, n, tn0, tn0 + BAND / 16, buf);
+            for r in buf.chunks_mut(BAND) {
+                exl3::hadamard128(r);
+                r.iter_mut()
+                    .zip(&w.svh[b * BAND..(b + 1) * BAND])
+                    .for_each(|(v, s)| *v *= s);
+            }
+        });
+    for (b, buf) in bands.chunks(n * BAND).enumerate() {
+        for (t, r) in buf.chunks(BAND).enumerate() {
+            y[t * out + b * BAND..t * out + (b + 1) * BAND].copy_from_slice(r);
+        }
+    }
 }

@@ -2,3 +2,5 @@
 //! against.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;

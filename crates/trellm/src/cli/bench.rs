@@ -26,6 +26,19 @@ pub struct BenchArgs {
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
+    /// `cpu`, or `cuda` (with `--shape`, or `--check` on `--model`).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// cuda: synthetic seeded weights of a named shape (llama-3.1-8b, tiny), made on the GPU.
+    #[arg(long)]
+    pub shape: Option<String>,
+    /// cuda: compare the GPU decoder with the CPU decoder on `--model` (weights rounded to bf16)
+    /// over `--n-gen` greedy steps instead of timing.
+    #[arg(long)]
+    pub check: bool,
+    /// cuda: context length the decode steps start at.
+    #[arg(long, default_value_t = 512)]
+    pub context: usize,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -41,6 +54,11 @@ fn median(mut v: Vec<f64>) -> f64 {
 pub fn run(a: BenchArgs) -> Result<()> {
     if a.repetitions == 0 {
         bail!("--repetitions must be at least 1");
+    }
+    match a.device.as_str() {
+        "cpu" => {}
+        "cuda" => return super::bench_cuda::run(&a),
+        other => bail!("unknown --device '{other}' (cpu, cuda)"),
     }
     let m = a.model.load()?;
     let dec = &m.decoder;

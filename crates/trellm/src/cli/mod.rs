@@ -1,6 +1,7 @@
 //! The `trellm` command line: parse, call the engine, format.
 
 mod bench;
+mod bench_cuda;
 mod chat;
 mod generate;
 

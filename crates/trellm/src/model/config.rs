@@ -98,6 +98,9 @@ pub struct ModelConfig {
     pub fused_gate_up: bool,
     /// The output projection is the embedding matrix.
     pub tied_embeddings: bool,
+    /// An EXL3 folder (`quantization_config.quant_method == "exl3"`): projections stored as
+    /// trellises where the folder has them.
+    pub exl3: bool,
     /// Multiplier applied to the token embedding.
     pub embed_scale: Option<f32>,
     /// Multiplier on each layer's attention and MLP outputs before the residual add (granite).
@@ -244,6 +247,7 @@ impl ModelConfig {
             fused_qkv: false,
             fused_gate_up: false,
             tied_embeddings: true,
+            exl3: false,
             embed_scale: None,
             residual_scale: None,
             attn_scale: (d.head_dim as f64).powf(-0.5) as f32,

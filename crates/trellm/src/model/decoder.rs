@@ -78,7 +78,7 @@ fn norm(x: &mut [f32], w: &NormWeights, kind: Norm, eps: f32) {
 
 /// `y = x W^T (+ b)` for `n` rows.
 fn linear(x: &[f32], n: usize, l: &Linear, y: &mut [f32]) {
-    cpu::matmul(x, n, &l.w, y);
+    cpu::linear(x, n, &l.w, y);
     if let Some(b) = &l.b {
         y.chunks_mut(b.len())
             .for_each(|r| r.iter_mut().zip(b).for_each(|(v, c)| *v += c));
@@ -250,7 +250,7 @@ impl Decoder {
             .for_each(|r| norm(r, &self.weights.final_norm, cfg.norm, cfg.norm_eps));
         let mo = rows_out.len() / h;
         let mut logits = vec![0.0f32; mo * cfg.vocab];
-        cpu::matmul(&rows_out, mo, &self.weights.lm_head, &mut logits);
+        cpu::linear(&rows_out, mo, &self.weights.lm_head, &mut logits);
         if let Some(cap) = cfg.final_softcap {
             logits.iter_mut().for_each(|v| *v = cpu::softcap(*v, cap));
         }
@@ -302,8 +302,7 @@ impl Decoder {
                 }
                 cpu::softmax(scores);
                 for (j, &p) in (lo..=pos).zip(scores.iter()) {
-                    let vj = &values[j * kv_dim + kvh * hd..][..hd];
-                    o.iter_mut().zip(vj).for_each(|(a, b)| *a += p * b);
+                    cpu::axpy(p, &values[j * kv_dim + kvh * hd..][..hd], o);
                 }
             });
     }

@@ -195,7 +195,20 @@ pub(crate) fn from_hf(config: &Value, generation: Option<&Value>) -> Result<Mode
         ),
     };
     extend_context(&mut cfg, &f);
+    cfg.exl3 = quant_method(config)? == Some("exl3");
     Ok(cfg)
+}
+
+/// `quantization_config.quant_method`, refusing the methods trellm cannot run.
+fn quant_method(config: &Value) -> Result<Option<&str>> {
+    let Some(q) = config.get("quantization_config") else {
+        return Ok(None);
+    };
+    match q.get("quant_method").and_then(|m| m.as_str()) {
+        Some("exl3") => Ok(Some("exl3")),
+        Some(other) => bail!("unsupported quantization method '{other}' (supported: exl3)"),
+        None => bail!("config.json has a quantization_config without a quant_method"),
+    }
 }
 
 /// llama (and mistral): optional biases, `rope_traditional`, every `rope_scaling`, sliding

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use anyhow::{anyhow, bail, Result};
 use trellm_formats::gguf::Gguf;
 use trellm_formats::safetensors::{Dtype, SafeTensors};
+use trellm_quant::exl3::{Codebook, Exl3Shape};
 use trellm_quant::GgmlType;
 
 use super::config::{Mlp, ModelConfig, Norm, QkNorm};
@@ -58,8 +59,14 @@ impl Matrix {
     /// The stored bytes of row `r`.
     #[inline]
     pub fn row(&self, r: usize) -> &[u8] {
+        self.rows_bytes(r, 1)
+    }
+
+    /// The stored bytes of rows `r..r + m` (rows are contiguous).
+    #[inline]
+    pub fn rows_bytes(&self, r: usize, m: usize) -> &[u8] {
         let s = self.offset + r * self.row_bytes;
-        &self.map[s..s + self.row_bytes]
+        &self.map[s..s + m * self.row_bytes]
     }
 
     /// Row `r` decoded exactly into `out` (`cols` values).
@@ -71,6 +78,65 @@ impl Matrix {
 
     pub fn n_bytes(&self) -> usize {
         self.row_bytes * self.rows
+    }
+}
+
+/// An EXL3 linear layer (`y = x W`, W `[k in][n out]`): the trellis stays in the memory map,
+/// compressed; the fp16 sign/scale vectors are copied out as f32.
+#[derive(Clone)]
+pub struct Exl3Matrix {
+    pub shape: Exl3Shape,
+    /// Input-side scales (`suh`, or legacy `su` signs), `k` values.
+    pub suh: Vec<f32>,
+    /// Output-side scales (`svh`, or legacy `sv` signs), `n` values.
+    pub svh: Vec<f32>,
+    map: Arc<memmap2::Mmap>,
+    offset: usize,
+}
+
+impl std::fmt::Debug for Exl3Matrix {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = &self.shape;
+        write!(
+            f,
+            "Exl3Matrix({:?}, {} bits, {}x{})",
+            s.codebook,
+            s.rate.bits(),
+            s.n,
+            s.k
+        )
+    }
+}
+
+impl Exl3Matrix {
+    /// The stored trellis, int16 `[k/16][n/16][16 K]` as bytes.
+    #[inline]
+    pub fn trellis(&self) -> &[u8] {
+        &self.map[self.offset..self.offset + self.shape.trellis_bytes()]
+    }
+}
+
+/// A projection's weight: a ggml-format matrix or an EXL3 trellis.
+#[derive(Clone, Debug)]
+pub enum LinearWeight {
+    Ggml(Matrix),
+    Exl3(Exl3Matrix),
+}
+
+impl LinearWeight {
+    /// Output features.
+    pub fn rows(&self) -> usize {
+        match self {
+            LinearWeight::Ggml(m) => m.rows,
+            LinearWeight::Exl3(e) => e.shape.n,
+        }
+    }
+    /// Input features.
+    pub fn cols(&self) -> usize {
+        match self {
+            LinearWeight::Ggml(m) => m.cols,
+            LinearWeight::Exl3(e) => e.shape.k,
+        }
     }
 }
 
@@ -115,6 +181,85 @@ impl TensorSource {
             }
         };
         Ok(m)
+    }
+
+    /// An EXL3 layer `{base}.trellis` (with `suh`/`svh` or legacy `su`/`sv`, and the codebook
+    /// marker `mcg`/`mul1`), if the folder has one; its K comes from the trellis shape.
+    fn exl3(&self, base: &str, rows: usize, cols: usize) -> Result<Option<Exl3Matrix>> {
+        let TensorSource::SafeTensors(s) = self else {
+            return Ok(None);
+        };
+        let Some(t) = s.get(&format!("{base}.trellis")) else {
+            return Ok(None);
+        };
+        if t.dtype != Dtype::I16 {
+            bail!(
+                "tensor {base}.trellis has dtype {}, expected I16",
+                t.dtype_name
+            );
+        }
+        let has = |suffix: &str| s.get(&format!("{base}.{suffix}")).is_some();
+        let codebook = match (has("mcg"), has("mul1")) {
+            (true, true) => bail!("{base} has both mcg and mul1 markers"),
+            (true, false) => Codebook::Mcg,
+            (false, true) => Codebook::Mul1,
+            (false, false) => Codebook::Inst3,
+        };
+        let shape =
+            Exl3Shape::from_trellis(&t.shape, codebook).map_err(|e| anyhow!("{base}: {e}"))?;
+        if (shape.n, shape.k) != (rows, cols) {
+            bail!(
+                "EXL3 layer {base} is {}x{} (out x in), expected {rows}x{cols}",
+                shape.n,
+                shape.k
+            );
+        }
+        if t.end - t.start != shape.trellis_bytes() {
+            bail!("tensor {base}.trellis has the wrong byte size");
+        }
+        // Scales as stored (fp16), else legacy packed signs.
+        let scales = |h: &str, packed: &str, len: usize| -> Result<Vec<f32>> {
+            if has(h) {
+                self.vector(&format!("{base}.{h}"), len)
+            } else if let Some(p) = s.get(&format!("{base}.{packed}")) {
+                if p.dtype != Dtype::I16 || p.end - p.start != len / 8 {
+                    bail!("tensor {base}.{packed} is not int16 [{}]", len / 16);
+                }
+                Ok(trellm_quant::exl3::unpack_signs(s.data(p))
+                    .iter()
+                    .map(|v| v.to_f32())
+                    .collect())
+            } else {
+                bail!("EXL3 layer {base} has neither {h} nor {packed}")
+            }
+        };
+        Ok(Some(Exl3Matrix {
+            shape,
+            suh: scales("suh", "su", shape.k)?,
+            svh: scales("svh", "sv", shape.n)?,
+            map: s.shards[t.shard].1.clone(),
+            offset: t.start,
+        }))
+    }
+
+    /// A projection `{base}.weight`, or for EXL3 folders `{base}.trellis` where stored.
+    fn linear_weight(
+        &self,
+        base: &str,
+        rows: usize,
+        cols: usize,
+        exl3: bool,
+    ) -> Result<LinearWeight> {
+        if exl3 {
+            if let Some(e) = self.exl3(base, rows, cols)? {
+                return Ok(LinearWeight::Exl3(e));
+            }
+        }
+        Ok(LinearWeight::Ggml(self.matrix(
+            &format!("{base}.weight"),
+            rows,
+            cols,
+        )?))
     }
 
     fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
@@ -162,7 +307,7 @@ fn st_type(name: &str, dtype: Dtype, dtype_name: &str) -> Result<GgmlType> {
 
 /// A projection `y = W x (+ b)`.
 pub struct Linear {
-    pub w: Matrix,
+    pub w: LinearWeight,
     pub b: Option<Vec<f32>>,
 }
 
@@ -194,7 +339,7 @@ pub struct Weights {
     pub layers: Vec<LayerWeights>,
     pub final_norm: NormWeights,
     /// The output projection; the embedding itself when they are tied.
-    pub lm_head: Matrix,
+    pub lm_head: LinearWeight,
 }
 
 /// The decoder's roles for a layer's tensors.
@@ -262,7 +407,7 @@ fn hf_name(cfg: &ModelConfig, role: Role, l: usize) -> String {
 
 impl Matrix {
     /// Rows `start..start + n` as a matrix of their own (a view of the same bytes).
-    fn rows_view(&self, start: usize, n: usize) -> Matrix {
+    pub fn rows_view(&self, start: usize, n: usize) -> Matrix {
         assert!(start + n <= self.rows);
         Matrix {
             rows: n,
@@ -309,7 +454,7 @@ impl Weights {
         };
         let linear = |n: &str, rows, cols, bias: bool| -> Result<Linear> {
             Ok(Linear {
-                w: src.matrix(&format!("{n}.weight"), rows, cols)?,
+                w: src.linear_weight(n, rows, cols, cfg.exl3)?,
                 b: if bias {
                     Some(src.vector(&format!("{n}.bias"), rows)?)
                 } else {
@@ -320,6 +465,9 @@ impl Weights {
         let (h, hd, ff) = (cfg.hidden, cfg.head_dim, cfg.intermediate);
         let q_rows = cfg.n_heads * hd;
         let kv_rows = cfg.n_kv_heads * hd;
+        if cfg.exl3 && (cfg.fused_qkv || cfg.fused_gate_up) {
+            bail!("EXL3 models with fused projections are not supported yet");
+        }
         let mut layers = Vec::with_capacity(cfg.n_layers());
         for l in 0..cfg.n_layers() {
             let nm = |role| name(role, l);
@@ -327,7 +475,7 @@ impl Weights {
                 let n = format!("model.layers.{l}.self_attn.qkv_proj.weight");
                 let m = src.matrix(&n, q_rows + 2 * kv_rows, h)?;
                 let part = |start, rows| Linear {
-                    w: m.rows_view(start, rows),
+                    w: LinearWeight::Ggml(m.rows_view(start, rows)),
                     b: None,
                 };
                 (
@@ -348,7 +496,7 @@ impl Weights {
                     let n = format!("model.layers.{l}.mlp.gate_up_proj.weight");
                     let m = src.matrix(&n, 2 * ff, h)?;
                     let part = |start| Linear {
-                        w: m.rows_view(start, ff),
+                        w: LinearWeight::Ggml(m.rows_view(start, ff)),
                         b: None,
                     };
                     (Some(part(0)), part(ff))
@@ -408,11 +556,16 @@ impl Weights {
         }
         let embed = src.matrix(embed_name, cfg.vocab, h)?;
         // GGUF ties by leaving output.weight out; a HF config says so (and mlx-lm then ignores
-        // any lm_head tensor).
-        let lm_head = if cfg.tied_embeddings {
-            embed.clone()
+        // any lm_head tensor). EXL3 quantizes the head separately even for tied models.
+        let exl3_head = if cfg.exl3 {
+            src.exl3("lm_head", cfg.vocab, h)?
         } else {
-            src.matrix(head_name, cfg.vocab, h)?
+            None
+        };
+        let lm_head = match exl3_head {
+            Some(e) => LinearWeight::Exl3(e),
+            None if cfg.tied_embeddings => LinearWeight::Ggml(embed.clone()),
+            None => LinearWeight::Ggml(src.matrix(head_name, cfg.vocab, h)?),
         };
         Ok(Weights {
             embed,

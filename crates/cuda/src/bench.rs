@@ -1,0 +1,255 @@
+//! The GPU benchmark: synthetic seeded weights for a named shape, generated on the device, and
+//! the ceilings they are judged against, measured in the same run (a device-to-device copy and a
+//! large bf16 GEMM through cuBLAS).
+
+use std::sync::Arc;
+
+use anyhow::{bail, Result};
+use cudarc::cublas::sys as bsys;
+use cudarc::driver::sys as dsys;
+
+use crate::dense::{self, Act, DenseConfig, DenseModel, DenseWeights, LayerSpec, NormKind};
+use crate::dense::{QkNormKind, RopeSpec};
+use crate::{kernels, Arg, Gpu};
+
+/// Shapes `--shape` accepts.
+pub const SHAPES: &[&str] = &["llama-3.1-8b", "tiny"];
+
+fn rope(hd: usize, base: f32) -> RopeSpec {
+    let half = hd / 2;
+    RopeSpec {
+        dims: hd,
+        interleaved: false,
+        position_scale: 1.0,
+        input_scale: 1.0,
+        inv_freq: (0..half)
+            .map(|i| (-(i as f32) * base.ln() / half as f32).exp())
+            .collect(),
+    }
+}
+
+/// A llama-style config for a named shape.
+pub fn shape(name: &str) -> Result<DenseConfig> {
+    let (h, ff, nh, nkv, hd, vocab, layers, base, tied) = match name {
+        "llama-3.1-8b" => (4096, 14336, 32, 8, 128, 128256, 32, 500000.0, false),
+        "tiny" => (256, 512, 4, 2, 64, 1024, 2, 10000.0, true),
+        other => bail!("unknown shape '{other}' (known: {})", SHAPES.join(", ")),
+    };
+    Ok(DenseConfig {
+        hidden: h,
+        intermediate: ff,
+        n_heads: nh,
+        n_kv_heads: nkv,
+        head_dim: hd,
+        vocab,
+        norm_eps: 1e-5,
+        norm: NormKind::Rms,
+        pre_norms: true,
+        post_norms: false,
+        qk_norm: QkNormKind::None,
+        activation: Act::Silu,
+        gated: true,
+        qkv_bias: false,
+        o_bias: false,
+        mlp_bias: false,
+        tied_embeddings: tied,
+        embed_scale: None,
+        residual_scale: None,
+        attn_scale: (hd as f32).powf(-0.5),
+        attn_softcap: None,
+        final_softcap: None,
+        logits_divisor: None,
+        layers: vec![
+            LayerSpec {
+                window: None,
+                rope: Some(rope(hd, base)),
+            };
+            layers
+        ],
+    })
+}
+
+#[derive(Debug, Clone)]
+pub struct BenchOptions {
+    /// Prefill length.
+    pub n_prompt: usize,
+    /// Context the decode steps start at.
+    pub context: usize,
+    /// Decode steps timed per repetition.
+    pub n_gen: usize,
+    pub repetitions: usize,
+    pub seed: u64,
+}
+
+#[derive(Debug, Clone)]
+pub struct BenchReport {
+    pub device: String,
+    pub shape: String,
+    /// Device-to-device copy, bytes read plus written per second.
+    pub copy_bytes_per_s: f64,
+    /// 8192^3 bf16 GEMM through cuBLAS, bf16 output / f32 output (the prefill's form).
+    pub gemm_flops_bf16_out: f64,
+    pub gemm_flops_f32_out: f64,
+    pub prefill_tok_s: f64,
+    pub prefill_flops: f64,
+    pub decode_tok_s: f64,
+    /// Weight bytes one decode step reads.
+    pub decode_weight_bytes: usize,
+    pub decode_bytes_per_s: f64,
+    /// Decode with and without programmatic dependent launch (ms per token).
+    pub decode_ms_pdl: f64,
+    pub decode_ms_no_pdl: f64,
+    /// Replay of the GEMVs alone over the same weights (ms), with and without PDL.
+    pub gemv_only_ms_pdl: f64,
+    pub gemv_only_ms_no_pdl: f64,
+    /// Greedy ids of the first timed decode steps (a sanity check that logits are alive).
+    pub decode_ids: Vec<u32>,
+    pub logits_finite: bool,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Milliseconds of `f` on the stream, timed with events; median of `reps` after `warm` runs.
+fn time_ms(gpu: &Gpu, warm: usize, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    for _ in 0..warm {
+        f()?;
+    }
+    gpu.sync()?;
+    let flags = Some(dsys::CUevent_flags::CU_EVENT_DEFAULT);
+    let (a, b) = (gpu.ctx.new_event(flags)?, gpu.ctx.new_event(flags)?);
+    let mut v = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        a.record(&gpu.stream)?;
+        f()?;
+        b.record(&gpu.stream)?;
+        b.synchronize()?;
+        v.push(a.elapsed_ms(&b)? as f64);
+    }
+    Ok(median(v))
+}
+
+fn fill_random(gpu: &Gpu, p: u64, n: usize, seed: u64) -> Result<()> {
+    let f = gpu.function(&kernels::ELEMENTWISE, &[], "fill_uniform_bf16")?;
+    gpu.launch(
+        &f,
+        (gpu.sm_count as u32 * 8, 1, 1),
+        256,
+        &[
+            Arg::Ptr(p),
+            Arg::U64(n as u64),
+            Arg::U64(seed),
+            Arg::F32(1.0),
+        ],
+    )
+}
+
+/// Runs the benchmark on device 0.
+pub fn run(shape_name: &str, o: &BenchOptions) -> Result<BenchReport> {
+    let cfg = shape(shape_name)?;
+    let reps = o.repetitions.max(1);
+    let gpu = Arc::new(Gpu::new(0)?);
+
+    // Ceiling 1: device-to-device copy of 2 GiB.
+    let copy_bytes_per_s = {
+        let n = 1usize << 29;
+        let src = gpu.alloc::<u32>(n)?;
+        let mut dst = gpu.alloc::<u32>(n)?;
+        let ms = time_ms(&gpu, 2, reps.max(5), || {
+            Ok(gpu.stream.memcpy_dtod(&src, &mut dst)?)
+        })?;
+        2.0 * (n * 4) as f64 / (ms * 1e-3)
+    };
+
+    // Ceiling 2: a large bf16 GEMM on random data.
+    let (gemm_flops_bf16_out, gemm_flops_f32_out) = {
+        let s = 8192usize;
+        let a = gpu.alloc::<u16>(s * s)?;
+        let bm = gpu.alloc::<u16>(s * s)?;
+        let c = gpu.alloc::<f32>(s * s)?;
+        fill_random(&gpu, gpu.ptr(&a), s * s, 1)?;
+        fill_random(&gpu, gpu.ptr(&bm), s * s, 2)?;
+        let flops = 2.0 * (s * s * s) as f64;
+        let (pa, pb, pc) = (gpu.ptr(&a), gpu.ptr(&bm), gpu.ptr(&c));
+        let ms16 = time_ms(&gpu, 3, reps.max(10), || {
+            dense::gemm(&gpu, s, s, s, pa, pb, pc, bsys::cudaDataType::CUDA_R_16BF)
+        })?;
+        let ms32 = time_ms(&gpu, 3, reps.max(10), || {
+            dense::gemm(&gpu, s, s, s, pa, pb, pc, bsys::cudaDataType::CUDA_R_32F)
+        })?;
+        (flops / (ms16 * 1e-3), flops / (ms32 * 1e-3))
+    };
+
+    let w = DenseWeights::synthetic(&gpu, &cfg, o.seed)?;
+    let max_context = o.n_prompt.max(o.context + o.n_gen + 1);
+    let mut model = DenseModel::new(
+        gpu.clone(),
+        cfg.clone(),
+        w,
+        max_context,
+        o.n_prompt.max(o.context),
+    )?;
+    let tokens: Vec<u32> = (0..max_context as u64)
+        .map(|i| ((i.wrapping_mul(2654435761) + 7) % cfg.vocab as u64) as u32)
+        .collect();
+
+    // Prefill.
+    let prefill_ms = time_ms(&gpu, 1, reps, || {
+        model.reset()?;
+        model.prefill(&tokens[..o.n_prompt])
+    })?;
+    let n = o.n_prompt as f64;
+    let attn_flops = 4.0 * (cfg.n_heads * cfg.head_dim) as f64 * n * (n + 1.0) / 2.0;
+    let prefill_flops = 2.0 * (cfg.layer_matrix_params() * cfg.n_layers()) as f64 * n
+        + attn_flops * cfg.n_layers() as f64
+        + 2.0 * (cfg.vocab * cfg.hidden) as f64;
+
+    // Decode from `context`, with and without PDL: the first step captures the graph.
+    let mut decode_ids = Vec::new();
+    let mut per_mode = Vec::new();
+    let pdl_default = gpu.pdl();
+    for pdl in [false, true] {
+        gpu.set_pdl(pdl);
+        model.recapture();
+        model.reset()?;
+        model.prefill(&tokens[..o.context])?;
+        model.decode_step()?;
+        let mut decode = Vec::new();
+        for _ in 0..reps {
+            model.reset()?;
+            model.prefill(&tokens[..o.context])?;
+            let ms = time_ms(&gpu, 0, 1, || model.decode(o.n_gen))?;
+            decode.push(ms / o.n_gen as f64);
+            if decode_ids.is_empty() {
+                decode_ids = model.history()?.into_iter().take(16).collect();
+            }
+        }
+        let gemv = model.capture_gemv_only()?;
+        let gemv_ms = time_ms(&gpu, 3, reps.max(10), || Ok(gemv.launch()?))?;
+        per_mode.push((median(decode), gemv_ms));
+    }
+    gpu.set_pdl(pdl_default);
+    let logits_finite = model.logits()?.iter().all(|v| v.is_finite());
+    let decode_ms = per_mode[0].0.min(per_mode[1].0);
+    let bytes = cfg.decode_weight_bytes();
+    Ok(BenchReport {
+        device: gpu.name.clone(),
+        shape: shape_name.to_string(),
+        copy_bytes_per_s,
+        gemm_flops_bf16_out,
+        gemm_flops_f32_out,
+        prefill_tok_s: n / (prefill_ms * 1e-3),
+        prefill_flops: prefill_flops / (prefill_ms * 1e-3),
+        decode_tok_s: 1e3 / decode_ms,
+        decode_weight_bytes: bytes,
+        decode_bytes_per_s: bytes as f64 / (decode_ms * 1e-3),
+        decode_ms_no_pdl: per_mode[0].0,
+        decode_ms_pdl: per_mode[1].0,
+        gemv_only_ms_no_pdl: per_mode[0].1,
+        gemv_only_ms_pdl: per_mode[1].1,
+        decode_ids,
+        logits_finite,
+    })
+}

@@ -1,0 +1,1046 @@
+//! The dense (llama/gemma-style) decoder on the GPU, driven by a plain [`DenseConfig`].
+//!
+//! Activations: the residual stream is f32; matrix inputs (normed activations, attention
+//! output, the MLP's hidden state) are bf16; projections produce f32. Weights are bf16, norms
+//! f32. The KV cache is bf16, `[position][kv_head][head_dim]` per layer.
+//!
+//! Kernels per layer: qkv projection (one fused matrix), q/k norm + RoPE + cache write, attention
+//! (partial + combine), o projection, residual add fused with the next norm, gate/up projection
+//! with the activation fused in (decode), down projection, residual add + next norm. Decode runs
+//! our GEMV and is captured once as a CUDA graph that reads the token and position from device
+//! memory, so one replay is one token with no host round trip; prefill runs cuBLAS GEMMs.
+
+use std::sync::Arc;
+
+use anyhow::{anyhow, bail, ensure, Context, Result};
+use cudarc::cublas::sys as bsys;
+use cudarc::driver::{sys as dsys, CudaFunction, CudaGraph, CudaSlice};
+
+use crate::kernels;
+use crate::{Arg, Gpu};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NormKind {
+    Rms,
+    Layer,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QkNormKind {
+    None,
+    /// RMSNorm over each head (weights of `head_dim`).
+    PerHead,
+    /// RMSNorm over the whole q and k projections.
+    Whole,
+}
+
+/// Activation codes as the kernels number them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Act {
+    Silu = 0,
+    GeluTanh = 1,
+    Gelu = 2,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct RopeSpec {
+    /// Rotated dimensions at the start of each head.
+    pub dims: usize,
+    /// Adjacent pairs `(2i, 2i+1)` instead of halves `(i, i + dims/2)`.
+    pub interleaved: bool,
+    pub position_scale: f32,
+    pub input_scale: f32,
+    /// One inverse frequency per rotated pair.
+    pub inv_freq: Vec<f32>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerSpec {
+    pub window: Option<usize>,
+    pub rope: Option<RopeSpec>,
+}
+
+/// Everything the GPU decoder needs to know about a model.
+#[derive(Debug, Clone)]
+pub struct DenseConfig {
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab: usize,
+    pub norm_eps: f32,
+    pub norm: NormKind,
+    pub pre_norms: bool,
+    pub post_norms: bool,
+    pub qk_norm: QkNormKind,
+    pub activation: Act,
+    pub gated: bool,
+    pub qkv_bias: bool,
+    pub o_bias: bool,
+    pub mlp_bias: bool,
+    pub tied_embeddings: bool,
+    pub embed_scale: Option<f32>,
+    pub residual_scale: Option<f32>,
+    pub attn_scale: f32,
+    pub attn_softcap: Option<f32>,
+    pub final_softcap: Option<f32>,
+    pub logits_divisor: Option<f32>,
+    pub layers: Vec<LayerSpec>,
+}
+
+impl DenseConfig {
+    pub fn n_layers(&self) -> usize {
+        self.layers.len()
+    }
+    pub fn q_dim(&self) -> usize {
+        self.n_heads * self.head_dim
+    }
+    pub fn kv_dim(&self) -> usize {
+        self.n_kv_heads * self.head_dim
+    }
+    pub fn qkv_dim(&self) -> usize {
+        self.q_dim() + 2 * self.kv_dim()
+    }
+    /// Rows of the gate/up matrix: gate rows then up rows, or up rows alone.
+    pub fn gate_up_rows(&self) -> usize {
+        if self.gated {
+            2 * self.intermediate
+        } else {
+            self.intermediate
+        }
+    }
+
+    /// Linear parameters per layer (qkv, o, gate/up, down).
+    pub fn layer_matrix_params(&self) -> usize {
+        let h = self.hidden;
+        self.qkv_dim() * h + h * self.q_dim() + self.gate_up_rows() * h + h * self.intermediate
+    }
+
+    /// Bytes of weights one decode step reads: every layer's matrices, norms and biases, the
+    /// output head and the final norm (the embedding contributes one row).
+    pub fn decode_weight_bytes(&self) -> usize {
+        let h = self.hidden;
+        let norms = (self.pre_norms as usize * 2 + self.post_norms as usize * 2)
+            * h
+            * 4
+            * if self.norm == NormKind::Layer { 2 } else { 1 };
+        let per_layer = self.layer_matrix_params() * 2 + norms;
+        self.n_layers() * per_layer + self.vocab * h * 2 + h * 4 + h * 2
+    }
+
+    fn validate(&self) -> Result<()> {
+        ensure!(self.n_layers() > 0, "the model has no layers");
+        ensure!(
+            self.n_kv_heads > 0 && self.n_heads.is_multiple_of(self.n_kv_heads),
+            "{} heads do not divide into {} kv heads",
+            self.n_heads,
+            self.n_kv_heads
+        );
+        ensure!(
+            self.head_dim.is_multiple_of(8) && self.head_dim <= 256,
+            "head_dim {} is not supported on CUDA (a multiple of 8, at most 256)",
+            self.head_dim
+        );
+        for l in &self.layers {
+            if let Some(r) = &l.rope {
+                ensure!(
+                    r.dims <= self.head_dim && r.dims.is_multiple_of(2),
+                    "bad rotary dims"
+                );
+                ensure!(r.inv_freq.len() == r.dims / 2, "inv_freq length");
+            }
+        }
+        if self.qk_norm == QkNormKind::Whole && self.qkv_bias {
+            bail!("whole-projection q/k norms with qkv biases are not supported on CUDA");
+        }
+        Ok(())
+    }
+}
+
+/// bf16 bits of a float, round to nearest even.
+pub fn to_bf16(x: f32) -> u16 {
+    half::bf16::from_f32(x).to_bits()
+}
+
+/// A norm's scale and (LayerNorm) bias, as f32 on the host.
+#[derive(Clone, Debug)]
+pub struct HostNorm {
+    pub w: Vec<f32>,
+    pub b: Option<Vec<f32>>,
+}
+
+/// One layer's weights on the host: matrices as bf16 bits, row-major `[out, in]`.
+#[derive(Clone, Debug, Default)]
+pub struct HostLayer {
+    pub attn_norm: Option<HostNorm>,
+    /// q rows, then k rows, then v rows.
+    pub qkv: Vec<u16>,
+    pub qkv_bias: Option<Vec<f32>>,
+    pub q_norm: Option<Vec<f32>>,
+    pub k_norm: Option<Vec<f32>>,
+    pub o: Vec<u16>,
+    pub o_bias: Option<Vec<f32>>,
+    pub post_attn_norm: Option<HostNorm>,
+    pub ffn_norm: Option<HostNorm>,
+    /// Gate rows then up rows (gated), or up rows.
+    pub gate_up: Vec<u16>,
+    pub gate_up_bias: Option<Vec<f32>>,
+    pub down: Vec<u16>,
+    pub down_bias: Option<Vec<f32>>,
+    pub post_ffn_norm: Option<HostNorm>,
+}
+
+pub struct DevNorm {
+    pub w: CudaSlice<f32>,
+    pub b: Option<CudaSlice<f32>>,
+}
+
+pub struct DevLayer {
+    pub attn_norm: Option<DevNorm>,
+    pub qkv: CudaSlice<u16>,
+    pub qkv_bias: Option<CudaSlice<f32>>,
+    pub q_norm: Option<CudaSlice<f32>>,
+    pub k_norm: Option<CudaSlice<f32>>,
+    pub o: CudaSlice<u16>,
+    pub o_bias: Option<CudaSlice<f32>>,
+    pub post_attn_norm: Option<DevNorm>,
+    pub ffn_norm: Option<DevNorm>,
+    pub gate_up: CudaSlice<u16>,
+    pub gate_up_bias: Option<CudaSlice<f32>>,
+    pub down: CudaSlice<u16>,
+    pub down_bias: Option<CudaSlice<f32>>,
+    pub post_ffn_norm: Option<DevNorm>,
+    pub inv_freq: Option<CudaSlice<f32>>,
+}
+
+/// All weights on the device.
+pub struct DenseWeights {
+    pub embed: CudaSlice<u16>,
+    pub layers: Vec<DevLayer>,
+    pub final_norm: DevNorm,
+    /// None when tied to the embedding.
+    pub lm_head: Option<CudaSlice<u16>>,
+}
+
+fn check_len<T>(v: &[T], n: usize, what: &str) -> Result<()> {
+    ensure!(v.len() == n, "{what}: {} values, expected {n}", v.len());
+    Ok(())
+}
+
+impl DenseWeights {
+    /// Uploads host weights, one layer at a time (so a caller can convert layer by layer).
+    pub fn upload(
+        gpu: &Gpu,
+        cfg: &DenseConfig,
+        embed: &[u16],
+        final_norm: &HostNorm,
+        lm_head: Option<&[u16]>,
+        layers: impl Iterator<Item = Result<HostLayer>>,
+    ) -> Result<DenseWeights> {
+        cfg.validate()?;
+        let h = cfg.hidden;
+        check_len(embed, cfg.vocab * h, "embedding")?;
+        let norm = |n: &HostNorm| -> Result<DevNorm> {
+            check_len(&n.w, h, "norm")?;
+            Ok(DevNorm {
+                w: gpu.upload(&n.w)?,
+                b: n.b.as_deref().map(|b| gpu.upload(b)).transpose()?,
+            })
+        };
+        let opt = |v: &Option<Vec<f32>>| -> Result<Option<CudaSlice<f32>>> {
+            v.as_deref().map(|b| gpu.upload(b)).transpose()
+        };
+        let mut dl = Vec::with_capacity(cfg.n_layers());
+        for (l, hl) in layers.enumerate() {
+            let hl = hl?;
+            ensure!(l < cfg.n_layers(), "more layers than the config has");
+            check_len(&hl.qkv, cfg.qkv_dim() * h, "qkv")?;
+            check_len(&hl.o, h * cfg.q_dim(), "o")?;
+            check_len(&hl.gate_up, cfg.gate_up_rows() * h, "gate/up")?;
+            check_len(&hl.down, h * cfg.intermediate, "down")?;
+            dl.push(DevLayer {
+                attn_norm: hl.attn_norm.as_ref().map(norm).transpose()?,
+                qkv: gpu.upload(&hl.qkv)?,
+                qkv_bias: opt(&hl.qkv_bias)?,
+                q_norm: opt(&hl.q_norm)?,
+                k_norm: opt(&hl.k_norm)?,
+                o: gpu.upload(&hl.o)?,
+                o_bias: opt(&hl.o_bias)?,
+                post_attn_norm: hl.post_attn_norm.as_ref().map(norm).transpose()?,
+                ffn_norm: hl.ffn_norm.as_ref().map(norm).transpose()?,
+                gate_up: gpu.upload(&hl.gate_up)?,
+                gate_up_bias: opt(&hl.gate_up_bias)?,
+                down: gpu.upload(&hl.down)?,
+                down_bias: opt(&hl.down_bias)?,
+                post_ffn_norm: hl.post_ffn_norm.as_ref().map(norm).transpose()?,
+                inv_freq: cfg.layers[l]
+                    .rope
+                    .as_ref()
+                    .map(|r| gpu.upload(&r.inv_freq))
+                    .transpose()?,
+            });
+        }
+        ensure!(
+            dl.len() == cfg.n_layers(),
+            "fewer layers than the config has"
+        );
+        if let Some(lm) = lm_head {
+            check_len(lm, cfg.vocab * h, "lm_head")?;
+        }
+        Ok(DenseWeights {
+            embed: gpu.upload(embed)?,
+            layers: dl,
+            final_norm: norm(final_norm)?,
+            lm_head: lm_head.map(|v| gpu.upload(v)).transpose()?,
+        })
+    }
+
+    /// Seeded random weights generated on the device (uniform, scaled by `1/sqrt(fan_in)`), norms
+    /// of one; biases zero. Nothing large crosses the bus.
+    pub fn synthetic(gpu: &Gpu, cfg: &DenseConfig, seed: u64) -> Result<DenseWeights> {
+        cfg.validate()?;
+        let fill = gpu.function(&kernels::ELEMENTWISE, &[], "fill_uniform_bf16")?;
+        let fill_f = gpu.function(&kernels::ELEMENTWISE, &[], "fill_f32")?;
+        let mut counter = seed.wrapping_mul(0x2545_f491_4f6c_dd1d);
+        let mut mat = |rows: usize, cols: usize| -> Result<CudaSlice<u16>> {
+            let n = rows * cols;
+            let s = gpu.alloc::<u16>(n)?;
+            counter = counter.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            // Uniform in [-a, a) has variance a^2/3: a = sqrt(3/fan_in) keeps activations at scale.
+            let a = (3.0 / cols as f32).sqrt();
+            gpu.launch(
+                &fill,
+                (gpu.sm_count as u32 * 8, 1, 1),
+                256,
+                &[
+                    Arg::Ptr(gpu.ptr(&s)),
+                    Arg::U64(n as u64),
+                    Arg::U64(counter),
+                    Arg::F32(a),
+                ],
+            )?;
+            Ok(s)
+        };
+        let ones = |n: usize| -> Result<CudaSlice<f32>> {
+            let s = gpu.alloc::<f32>(n)?;
+            gpu.launch(
+                &fill_f,
+                (n.div_ceil(256).min(4096) as u32, 1, 1),
+                256,
+                &[Arg::Ptr(gpu.ptr(&s)), Arg::U64(n as u64), Arg::F32(1.0)],
+            )?;
+            Ok(s)
+        };
+        let h = cfg.hidden;
+        let norm = |ones: &dyn Fn(usize) -> Result<CudaSlice<f32>>| -> Result<DevNorm> {
+            Ok(DevNorm {
+                w: ones(h)?,
+                b: match cfg.norm {
+                    NormKind::Rms => None,
+                    NormKind::Layer => Some(gpu.alloc::<f32>(h)?),
+                },
+            })
+        };
+        let zeros = |on: bool, n: usize| -> Result<Option<CudaSlice<f32>>> {
+            on.then(|| gpu.alloc::<f32>(n)).transpose()
+        };
+        let mut layers = Vec::with_capacity(cfg.n_layers());
+        for spec in &cfg.layers {
+            let qk = |n| -> Result<Option<CudaSlice<f32>>> {
+                match cfg.qk_norm {
+                    QkNormKind::None => Ok(None),
+                    QkNormKind::PerHead => ones(cfg.head_dim).map(Some),
+                    QkNormKind::Whole => ones(n).map(Some),
+                }
+            };
+            layers.push(DevLayer {
+                attn_norm: cfg.pre_norms.then(|| norm(&ones)).transpose()?,
+                qkv: mat(cfg.qkv_dim(), h)?,
+                qkv_bias: zeros(cfg.qkv_bias, cfg.qkv_dim())?,
+                q_norm: qk(cfg.q_dim())?,
+                k_norm: qk(cfg.kv_dim())?,
+                o: mat(h, cfg.q_dim())?,
+                o_bias: zeros(cfg.o_bias, h)?,
+                post_attn_norm: cfg.post_norms.then(|| norm(&ones)).transpose()?,
+                ffn_norm: cfg.pre_norms.then(|| norm(&ones)).transpose()?,
+                gate_up: mat(cfg.gate_up_rows(), h)?,
+                gate_up_bias: zeros(cfg.mlp_bias, cfg.gate_up_rows())?,
+                down: mat(h, cfg.intermediate)?,
+                down_bias: zeros(cfg.mlp_bias, h)?,
+                post_ffn_norm: cfg.post_norms.then(|| norm(&ones)).transpose()?,
+                inv_freq: spec
+                    .rope
+                    .as_ref()
+                    .map(|r| gpu.upload(&r.inv_freq))
+                    .transpose()?,
+            });
+        }
+        let embed = mat(cfg.vocab, h)?;
+        let lm_head = if cfg.tied_embeddings {
+            None
+        } else {
+            Some(mat(cfg.vocab, h)?)
+        };
+        let final_norm = norm(&ones)?;
+        gpu.sync()?;
+        Ok(DenseWeights {
+            embed,
+            layers,
+            final_norm,
+            lm_head,
+        })
+    }
+}
+
+/// Key positions per attention split in decode (one 32-key tile per block).
+const DECODE_CHUNK: usize = 32;
+const ARGMAX_BLOCKS: usize = 128;
+
+struct Funcs {
+    embed: CudaFunction,
+    norm: CudaFunction,
+    residual_norm: CudaFunction,
+    act_rows: CudaFunction,
+    argmax_partial: CudaFunction,
+    argmax_final: CudaFunction,
+    rope: CudaFunction,
+    attn_partial: CudaFunction,
+    attn_combine: CudaFunction,
+    gemv_f32: CudaFunction,
+    gemv_glu: CudaFunction,
+    gemv_act: CudaFunction,
+}
+
+/// Per-call scratch and the KV cache.
+struct Buffers {
+    x: CudaSlice<f32>,
+    xn: CudaSlice<u16>,
+    qkv: CudaSlice<f32>,
+    q: CudaSlice<f32>,
+    attn: CudaSlice<u16>,
+    y: CudaSlice<f32>,
+    gu: CudaSlice<f32>,
+    act: CudaSlice<u16>,
+    logits: CudaSlice<f32>,
+    part_acc: CudaSlice<f32>,
+    part_ml: CudaSlice<f32>,
+    argmax: CudaSlice<u64>,
+    tokens: CudaSlice<i32>,
+    pos: CudaSlice<i32>,
+    /// Decode's input token and position (device-resident, advanced by the graph).
+    tok: CudaSlice<i32>,
+    dpos: CudaSlice<i32>,
+    history: CudaSlice<i32>,
+    count: CudaSlice<i32>,
+    k_cache: Vec<CudaSlice<u16>>,
+    v_cache: Vec<CudaSlice<u16>>,
+}
+
+/// A model on the GPU with its KV cache (one sequence).
+pub struct DenseModel {
+    pub gpu: Arc<Gpu>,
+    pub cfg: DenseConfig,
+    pub w: DenseWeights,
+    /// KV cache capacity in positions.
+    pub max_context: usize,
+    /// Most tokens one prefill call takes.
+    pub max_prefill: usize,
+    f: Funcs,
+    b: Buffers,
+    len: usize,
+    graph: Option<CudaGraph>,
+}
+
+/// Where a forward pass takes its inputs.
+#[derive(Clone, Copy)]
+struct Inputs {
+    m: usize,
+    tokens: u64,
+    pos: u64,
+    /// Decode: GEMV, many attention splits, and the argmax advances the position.
+    decode: bool,
+}
+
+impl DenseModel {
+    pub fn new(
+        gpu: Arc<Gpu>,
+        cfg: DenseConfig,
+        w: DenseWeights,
+        max_context: usize,
+        max_prefill: usize,
+    ) -> Result<DenseModel> {
+        cfg.validate()?;
+        ensure!(max_context > 0 && max_prefill > 0, "empty context");
+        let e = |n| gpu.function(&kernels::ELEMENTWISE, &[], n);
+        // The GEMV's unroll depth can be overridden for tuning (`TRELLM_GEMV_UNROLL`).
+        let gemv_defs: Vec<String> = std::env::var("TRELLM_GEMV_UNROLL")
+            .ok()
+            .filter(|u| u.parse::<u32>().is_ok())
+            .map(|u| vec![format!("UNROLL={u}")])
+            .unwrap_or_default();
+        let g = |n| gpu.function(&kernels::GEMV, &gemv_defs, n);
+        let hd = [format!("HEAD_DIM={}", cfg.head_dim)];
+        let f = Funcs {
+            embed: e("embed_rows")?,
+            norm: e("norm_rows")?,
+            residual_norm: e("residual_norm")?,
+            act_rows: e("act_rows")?,
+            argmax_partial: e("logits_argmax_partial")?,
+            argmax_final: e("argmax_final")?,
+            rope: gpu.function(&kernels::ROPE, &[], "qkv_rope")?,
+            attn_partial: gpu.function(&kernels::ATTENTION, &hd, "attn_partial")?,
+            attn_combine: gpu.function(&kernels::ATTENTION, &hd, "attn_combine")?,
+            gemv_f32: g("gemv_f32")?,
+            gemv_glu: g("gemv_glu")?,
+            gemv_act: g("gemv_act")?,
+        };
+        let t = max_prefill;
+        let h = cfg.hidden;
+        let splits = max_context.div_ceil(DECODE_CHUNK);
+        let part_rows = (t * cfg.n_heads).max(cfg.n_heads * splits);
+        let kv = max_context * cfg.kv_dim();
+        let b = Buffers {
+            x: gpu.alloc(t * h)?,
+            xn: gpu.alloc(t * h)?,
+            qkv: gpu.alloc(t * cfg.qkv_dim())?,
+            q: gpu.alloc(t * cfg.q_dim())?,
+            attn: gpu.alloc(t * cfg.q_dim())?,
+            y: gpu.alloc(t * h)?,
+            gu: gpu.alloc(t * cfg.gate_up_rows())?,
+            act: gpu.alloc(t * cfg.intermediate)?,
+            logits: gpu.alloc(cfg.vocab)?,
+            part_acc: gpu.alloc(part_rows * cfg.head_dim)?,
+            part_ml: gpu.alloc(part_rows * 2)?,
+            argmax: gpu.alloc(ARGMAX_BLOCKS)?,
+            tokens: gpu.alloc(t)?,
+            pos: gpu.alloc(t)?,
+            tok: gpu.alloc(1)?,
+            dpos: gpu.alloc(1)?,
+            history: gpu.alloc(max_context)?,
+            count: gpu.alloc(1)?,
+            k_cache: (0..cfg.n_layers())
+                .map(|_| gpu.alloc(kv))
+                .collect::<Result<_>>()?,
+            v_cache: (0..cfg.n_layers())
+                .map(|_| gpu.alloc(kv))
+                .collect::<Result<_>>()?,
+        };
+        Ok(DenseModel {
+            gpu,
+            cfg,
+            w,
+            max_context,
+            max_prefill,
+            f,
+            b,
+            len: 0,
+            graph: None,
+        })
+    }
+
+    /// Positions in the cache.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Empties the cache (the decode graph stays valid: it reads positions from the device).
+    pub fn reset(&mut self) -> Result<()> {
+        self.len = 0;
+        let g = &self.gpu;
+        g.stream.memcpy_htod(&[0i32], &mut self.b.count)?;
+        Ok(())
+    }
+
+    /// Runs `tokens` at positions `len..`, appending to the cache; leaves the last position's
+    /// logits on the device and its argmax as the next decode input.
+    pub fn prefill(&mut self, tokens: &[u32]) -> Result<()> {
+        ensure!(!tokens.is_empty(), "prefill of no tokens");
+        let mut done = 0;
+        while done < tokens.len() {
+            let n = (tokens.len() - done).min(self.max_prefill);
+            ensure!(
+                self.len + n <= self.max_context,
+                "context full ({} positions)",
+                self.max_context
+            );
+            let ids: Vec<i32> = tokens[done..done + n].iter().map(|&t| t as i32).collect();
+            let pos: Vec<i32> = (self.len..self.len + n).map(|p| p as i32).collect();
+            let g = self.gpu.clone();
+            g.stream.memcpy_htod(&ids, &mut self.b.tokens)?;
+            g.stream.memcpy_htod(&pos, &mut self.b.pos)?;
+            let inp = Inputs {
+                m: n,
+                tokens: g.ptr(&self.b.tokens),
+                pos: g.ptr(&self.b.pos),
+                decode: false,
+            };
+            self.enqueue(inp)?;
+            self.len += n;
+            done += n;
+        }
+        let g = self.gpu.clone();
+        g.stream.memcpy_htod(&[self.len as i32], &mut self.b.dpos)?;
+        Ok(())
+    }
+
+    /// Sets the next decode step's input token (otherwise it is the previous step's argmax).
+    pub fn set_next_token(&mut self, id: u32) -> Result<()> {
+        let g = self.gpu.clone();
+        g.stream.memcpy_htod(&[id as i32], &mut self.b.tok)?;
+        Ok(())
+    }
+
+    /// One decode step: the graph (captured on first use) embeds the pending token at position
+    /// `len`, computes the logits and leaves their argmax as the next token.
+    pub fn decode_step(&mut self) -> Result<()> {
+        ensure!(
+            self.len < self.max_context,
+            "context full ({} positions)",
+            self.max_context
+        );
+        if self.graph.is_none() {
+            self.graph = Some(self.capture()?);
+        }
+        self.graph.as_ref().unwrap().launch()?;
+        self.len += 1;
+        Ok(())
+    }
+
+    /// Enqueues `steps` decode steps back to back (no host synchronisation).
+    pub fn decode(&mut self, steps: usize) -> Result<()> {
+        for _ in 0..steps {
+            self.decode_step()?;
+        }
+        Ok(())
+    }
+
+    fn capture(&mut self) -> Result<CudaGraph> {
+        let g = self.gpu.clone();
+        let inp = Inputs {
+            m: 1,
+            tokens: g.ptr(&self.b.tok),
+            pos: g.ptr(&self.b.dpos),
+            decode: true,
+        };
+        g.sync()?;
+        g.stream
+            .begin_capture(dsys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+        let r = self.enqueue(inp);
+        let graph = g
+            .stream
+            .end_capture(dsys::CUgraphInstantiate_flags(0))
+            .context("capturing the decode graph");
+        r?;
+        let graph = graph?.ok_or_else(|| anyhow!("empty decode graph"))?;
+        graph.upload()?;
+        Ok(graph)
+    }
+
+    /// Drops the captured decode graph (the next step captures anew, e.g. after
+    /// [`Gpu::set_pdl`]).
+    pub fn recapture(&mut self) {
+        self.graph = None;
+    }
+
+    /// A graph of only the decode step's weight streaming: every layer's GEMVs and the output
+    /// head, on whatever the activation buffers hold. Its replay time is what the GEMV alone
+    /// achieves over the same bytes.
+    pub fn capture_gemv_only(&self) -> Result<CudaGraph> {
+        let (g, c, b) = (&*self.gpu, &self.cfg, &self.b);
+        let h = c.hidden;
+        g.sync()?;
+        g.stream
+            .begin_capture(dsys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+        let r = (|| -> Result<()> {
+            let (xn, y, act) = (g.ptr(&b.xn), g.ptr(&b.y), g.ptr(&b.act));
+            for lw in &self.w.layers {
+                self.matmul(1, xn, g.ptr(&lw.qkv), c.qkv_dim(), h, g.ptr(&b.qkv))?;
+                self.matmul(1, g.ptr(&b.attn), g.ptr(&lw.o), h, c.q_dim(), y)?;
+                let ff = c.intermediate;
+                let (func, blocks) = if c.gated {
+                    (&self.f.gemv_glu, ff)
+                } else {
+                    (&self.f.gemv_act, ff.div_ceil(2))
+                };
+                g.launch(
+                    func,
+                    (blocks as u32, 1, 1),
+                    128,
+                    &[
+                        Arg::Ptr(g.ptr(&lw.gate_up)),
+                        Arg::I32(ff as i32),
+                        Arg::I32(h as i32),
+                        Arg::Ptr(xn),
+                        Arg::Ptr(0),
+                        Arg::I32(c.activation as i32),
+                        Arg::Ptr(act),
+                    ],
+                )?;
+                self.matmul(1, act, g.ptr(&lw.down), h, ff, y)?;
+            }
+            let head = self.w.lm_head.as_ref().unwrap_or(&self.w.embed);
+            self.matmul(1, xn, g.ptr(head), c.vocab, h, g.ptr(&b.logits))
+        })();
+        let graph = g.stream.end_capture(dsys::CUgraphInstantiate_flags(0));
+        r?;
+        let graph = graph?.ok_or_else(|| anyhow!("empty graph"))?;
+        graph.upload()?;
+        Ok(graph)
+    }
+
+    /// The last computed logits (synchronises).
+    pub fn logits(&self) -> Result<Vec<f32>> {
+        Ok(self.gpu.stream.clone_dtoh(&self.b.logits)?)
+    }
+
+    /// The pending next token (the last argmax; synchronises).
+    pub fn next_token(&self) -> Result<u32> {
+        Ok(self.gpu.stream.clone_dtoh(&self.b.tok)?[0] as u32)
+    }
+
+    /// Tokens the decode steps produced since the last [`reset`](Self::reset).
+    pub fn history(&self) -> Result<Vec<u32>> {
+        let n = self.gpu.stream.clone_dtoh(&self.b.count)?[0] as usize;
+        let h = self.gpu.stream.clone_dtoh(&self.b.history)?;
+        Ok(h[..n.min(h.len())].iter().map(|&v| v as u32).collect())
+    }
+
+    /// `y[m, n] (f32) = x[m, k] (bf16) . W[n, k]^T`: our GEMV for one row, cuBLAS otherwise.
+    fn matmul(&self, m: usize, x: u64, w: u64, n: usize, k: usize, y: u64) -> Result<()> {
+        let g = &self.gpu;
+        if m == 1 {
+            let blocks = n.div_ceil(2);
+            return g.launch(
+                &self.f.gemv_f32,
+                (blocks as u32, 1, 1),
+                128,
+                &[
+                    Arg::Ptr(w),
+                    Arg::I32(n as i32),
+                    Arg::I32(k as i32),
+                    Arg::Ptr(x),
+                    Arg::Ptr(y),
+                ],
+            );
+        }
+        gemm_bf16_f32(g, m, n, k, x, w, y)
+    }
+
+    fn enqueue(&self, inp: Inputs) -> Result<()> {
+        let (g, c, f, b) = (&*self.gpu, &self.cfg, &self.f, &self.b);
+        let m = inp.m;
+        let (h, hd) = (c.hidden, c.head_dim);
+        let (qd, kvd, qkvd) = (c.q_dim(), c.kv_dim(), c.qkv_dim());
+        let eps = c.norm_eps;
+        let layer_norm = (c.norm == NormKind::Layer) as i32;
+        let nb = (h.next_power_of_two().clamp(32, 1024)) as u32;
+        let p = |s: &CudaSlice<f32>| g.ptr(s);
+        let po = |s: &Option<CudaSlice<f32>>| s.as_ref().map_or(0, |s| g.ptr(s));
+        let pn = |n: &Option<DevNorm>| {
+            (
+                n.as_ref().map_or(0, |n| g.ptr(&n.w)),
+                n.as_ref().map_or(0, |n| po(&n.b)),
+            )
+        };
+        let (x, xn, y) = (p(&b.x), g.ptr(&b.xn), p(&b.y));
+
+        g.launch(
+            &f.embed,
+            (m as u32, 1, 1),
+            256,
+            &[
+                Arg::Ptr(inp.tokens),
+                Arg::Ptr(g.ptr(&self.w.embed)),
+                Arg::I32(h as i32),
+                Arg::F32(c.embed_scale.unwrap_or(1.0)),
+                Arg::Ptr(x),
+            ],
+        )?;
+        // The first layer's input norm; later ones come out of the residual adds.
+        let (w0, b0) = pn(&self.w.layers[0].attn_norm);
+        g.launch(
+            &f.norm,
+            (m as u32, 1, 1),
+            nb,
+            &[
+                Arg::Ptr(x),
+                Arg::I32(h as i32),
+                Arg::I32(h as i32),
+                Arg::Ptr(w0),
+                Arg::Ptr(b0),
+                Arg::F32(eps),
+                Arg::I32(layer_norm),
+                Arg::Ptr(0),
+                Arg::Ptr(xn),
+                Arg::I32(h as i32),
+            ],
+        )?;
+        let group = c.n_heads / c.n_kv_heads;
+        let (chunk, splits) = if inp.decode {
+            (DECODE_CHUNK, self.max_context.div_ceil(DECODE_CHUNK))
+        } else {
+            (self.max_context, 1)
+        };
+        let rscale = c.residual_scale.unwrap_or(1.0);
+        for (l, (lw, spec)) in self.w.layers.iter().zip(&c.layers).enumerate() {
+            let qkv = p(&b.qkv);
+            self.matmul(m, xn, g.ptr(&lw.qkv), qkvd, h, qkv)?;
+            if c.qk_norm == QkNormKind::Whole {
+                for (off, len, w) in [(0, qd, &lw.q_norm), (qd, kvd, &lw.k_norm)] {
+                    g.launch(
+                        &f.norm,
+                        (m as u32, 1, 1),
+                        nb,
+                        &[
+                            Arg::Ptr(qkv + 4 * off as u64),
+                            Arg::I32(qkvd as i32),
+                            Arg::I32(len as i32),
+                            Arg::Ptr(po(w)),
+                            Arg::Ptr(0),
+                            Arg::F32(eps),
+                            Arg::I32(0),
+                            Arg::Ptr(qkv + 4 * off as u64),
+                            Arg::Ptr(0),
+                            Arg::I32(0),
+                        ],
+                    )?;
+                }
+            }
+            let per_head = c.qk_norm == QkNormKind::PerHead;
+            let rope = spec.rope.as_ref();
+            let heads = c.n_heads + c.n_kv_heads;
+            g.launch(
+                &f.rope,
+                (m as u32, heads.div_ceil(8) as u32, 1),
+                256,
+                &[
+                    Arg::Ptr(qkv),
+                    Arg::Ptr(po(&lw.qkv_bias)),
+                    Arg::Ptr(inp.pos),
+                    Arg::I32(c.n_heads as i32),
+                    Arg::I32(c.n_kv_heads as i32),
+                    Arg::I32(hd as i32),
+                    Arg::Ptr(if per_head { po(&lw.q_norm) } else { 0 }),
+                    Arg::Ptr(if per_head { po(&lw.k_norm) } else { 0 }),
+                    Arg::F32(eps),
+                    Arg::Ptr(po(&lw.inv_freq)),
+                    Arg::I32(rope.map_or(0, |r| r.dims as i32)),
+                    Arg::I32(rope.is_some_and(|r| r.interleaved) as i32),
+                    Arg::F32(rope.map_or(1.0, |r| r.position_scale)),
+                    Arg::F32(rope.map_or(1.0, |r| r.input_scale)),
+                    Arg::F32(c.attn_scale),
+                    Arg::Ptr(p(&b.q)),
+                    Arg::Ptr(g.ptr(&b.k_cache[l])),
+                    Arg::Ptr(g.ptr(&b.v_cache[l])),
+                ],
+            )?;
+            g.launch(
+                &f.attn_partial,
+                (
+                    c.n_kv_heads as u32,
+                    (m * group).div_ceil(8) as u32,
+                    splits as u32,
+                ),
+                128,
+                &[
+                    Arg::Ptr(p(&b.q)),
+                    Arg::Ptr(g.ptr(&b.k_cache[l])),
+                    Arg::Ptr(g.ptr(&b.v_cache[l])),
+                    Arg::Ptr(inp.pos),
+                    Arg::I32(m as i32),
+                    Arg::I32(c.n_heads as i32),
+                    Arg::I32(c.n_kv_heads as i32),
+                    Arg::I32(spec.window.unwrap_or(0) as i32),
+                    Arg::F32(c.attn_softcap.unwrap_or(0.0)),
+                    Arg::I32(chunk as i32),
+                    Arg::I32(splits as i32),
+                    Arg::Ptr(p(&b.part_acc)),
+                    Arg::Ptr(p(&b.part_ml)),
+                ],
+            )?;
+            g.launch(
+                &f.attn_combine,
+                ((m * c.n_heads) as u32, 1, 1),
+                hd.clamp(32, 128) as u32,
+                &[
+                    Arg::Ptr(p(&b.part_acc)),
+                    Arg::Ptr(p(&b.part_ml)),
+                    Arg::I32(splits as i32),
+                    Arg::Ptr(g.ptr(&b.attn)),
+                ],
+            )?;
+            self.matmul(m, g.ptr(&b.attn), g.ptr(&lw.o), h, qd, y)?;
+            let (pw, pb) = pn(&lw.post_attn_norm);
+            let (nw, nbias) = pn(&lw.ffn_norm);
+            self.residual(m, y, po(&lw.o_bias), (pw, pb), rscale, (nw, nbias))?;
+
+            let ff = c.intermediate;
+            let act = g.ptr(&b.act);
+            if m == 1 {
+                let (func, blocks, n) = if c.gated {
+                    (&f.gemv_glu, ff, ff)
+                } else {
+                    (&f.gemv_act, ff.div_ceil(2), ff)
+                };
+                g.launch(
+                    func,
+                    (blocks as u32, 1, 1),
+                    128,
+                    &[
+                        Arg::Ptr(g.ptr(&lw.gate_up)),
+                        Arg::I32(n as i32),
+                        Arg::I32(h as i32),
+                        Arg::Ptr(xn),
+                        Arg::Ptr(po(&lw.gate_up_bias)),
+                        Arg::I32(c.activation as i32),
+                        Arg::Ptr(act),
+                    ],
+                )?;
+            } else {
+                let gu = p(&b.gu);
+                gemm_bf16_f32(g, m, c.gate_up_rows(), h, xn, g.ptr(&lw.gate_up), gu)?;
+                g.launch(
+                    &f.act_rows,
+                    (ff.div_ceil(256) as u32, m as u32, 1),
+                    256,
+                    &[
+                        Arg::Ptr(gu),
+                        Arg::Ptr(po(&lw.gate_up_bias)),
+                        Arg::I32(ff as i32),
+                        Arg::I32(c.gated as i32),
+                        Arg::I32(c.activation as i32),
+                        Arg::Ptr(act),
+                    ],
+                )?;
+            }
+            self.matmul(m, act, g.ptr(&lw.down), h, ff, y)?;
+            let (pw, pb) = pn(&lw.post_ffn_norm);
+            let next = match self.w.layers.get(l + 1) {
+                Some(nl) => pn(&nl.attn_norm),
+                None => (g.ptr(&self.w.final_norm.w), po(&self.w.final_norm.b)),
+            };
+            self.residual(m, y, po(&lw.down_bias), (pw, pb), rscale, next)?;
+        }
+
+        // Logits of the last row.
+        let head = self.w.lm_head.as_ref().unwrap_or(&self.w.embed);
+        let last = xn + 2 * ((m - 1) * h) as u64;
+        let logits = p(&b.logits);
+        self.matmul(1, last, g.ptr(head), c.vocab, h, logits)?;
+        g.launch(
+            &f.argmax_partial,
+            (ARGMAX_BLOCKS as u32, 1, 1),
+            1024,
+            &[
+                Arg::Ptr(logits),
+                Arg::I32(c.vocab as i32),
+                Arg::F32(c.final_softcap.unwrap_or(0.0)),
+                Arg::F32(c.logits_divisor.unwrap_or(0.0)),
+                Arg::Ptr(g.ptr(&b.argmax)),
+            ],
+        )?;
+        let (pos, hist, count) = if inp.decode {
+            (g.ptr(&b.dpos), g.ptr(&b.history), g.ptr(&b.count))
+        } else {
+            (0, 0, 0)
+        };
+        g.launch(
+            &f.argmax_final,
+            (1, 1, 1),
+            32,
+            &[
+                Arg::Ptr(g.ptr(&b.argmax)),
+                Arg::I32(ARGMAX_BLOCKS as i32),
+                Arg::Ptr(g.ptr(&b.tok)),
+                Arg::Ptr(pos),
+                Arg::Ptr(hist),
+                Arg::Ptr(count),
+            ],
+        )?;
+        Ok(())
+    }
+
+    /// `x += rscale * post(y + bias)`, then `xn = next_norm(x)` (identity when absent), per row.
+    fn residual(
+        &self,
+        m: usize,
+        y: u64,
+        bias: u64,
+        post: (u64, u64),
+        rscale: f32,
+        next: (u64, u64),
+    ) -> Result<()> {
+        let (g, c) = (&*self.gpu, &self.cfg);
+        let h = c.hidden;
+        g.launch(
+            &self.f.residual_norm,
+            (m as u32, 1, 1),
+            (h.next_power_of_two().clamp(32, 1024)) as u32,
+            &[
+                Arg::Ptr(g.ptr(&self.b.x)),
+                Arg::Ptr(y),
+                Arg::I32(h as i32),
+                Arg::Ptr(bias),
+                Arg::Ptr(post.0),
+                Arg::Ptr(post.1),
+                Arg::F32(rscale),
+                Arg::Ptr(next.0),
+                Arg::Ptr(next.1),
+                Arg::F32(c.norm_eps),
+                Arg::I32((c.norm == NormKind::Layer) as i32),
+                Arg::Ptr(g.ptr(&self.b.xn)),
+            ],
+        )
+    }
+}
+
+/// `y[m, n] (f32, row-major) = x[m, k] (bf16) . w[n, k]^T (bf16)`, f32 accumulation, cuBLAS.
+pub fn gemm_bf16_f32(g: &Gpu, m: usize, n: usize, k: usize, x: u64, w: u64, y: u64) -> Result<()> {
+    gemm(g, m, n, k, x, w, y, bsys::cudaDataType::CUDA_R_32F)
+}
+
+/// As [`gemm_bf16_f32`] with the output type `out` (f32 or bf16).
+#[allow(clippy::too_many_arguments)]
+pub fn gemm(
+    g: &Gpu,
+    m: usize,
+    n: usize,
+    k: usize,
+    x: u64,
+    w: u64,
+    y: u64,
+    out: bsys::cudaDataType,
+) -> Result<()> {
+    let (alpha, beta) = (1.0f32, 0.0f32);
+    // Row-major Y = X W^T is column-major Y^T (n x m) = W (k x n)^T . X^T (k x m).
+    // SAFETY: the pointers are live device buffers of the stated sizes; the handle runs on the
+    // model's stream.
+    unsafe {
+        cudarc::cublas::result::gemm_ex(
+            *g.blas.handle(),
+            bsys::cublasOperation_t::CUBLAS_OP_T,
+            bsys::cublasOperation_t::CUBLAS_OP_N,
+            n as i32,
+            m as i32,
+            k as i32,
+            &alpha as *const f32 as *const _,
+            w as *const _,
+            bsys::cudaDataType::CUDA_R_16BF,
+            k as i32,
+            x as *const _,
+            bsys::cudaDataType::CUDA_R_16BF,
+            k as i32,
+            &beta as *const f32 as *const _,
+            y as *mut _,
+            out,
+            n as i32,
+            bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }
+    .map_err(|e| anyhow!("cublasGemmEx({m}x{n}x{k}): {e:?}"))
+}

@@ -1,0 +1,177 @@
+// Row-wise kernels of the dense decoder: embedding, norms (fused with the residual add),
+// activations, logits post-processing and argmax, and seeded synthetic weights.
+
+// x[t] = table[tokens[t]] * scale, one block per token.
+extern "C" __global__ void embed_rows(const int* __restrict__ tokens, const bf16* __restrict__ table,
+                                      int h, float scale, float* __restrict__ x) {
+    GRID_SYNC();
+    const long long t = blockIdx.x;
+    const bf16* row = table + (long long)tokens[t] * h;
+    for (int i = threadIdx.x; i < h; i += blockDim.x) x[t * h + i] = bf2f(row[i]) * scale;
+}
+
+// Normalizes v (n values at stride 1) into out: RMSNorm, or LayerNorm when `layer` is set.
+// Writes f32 and/or bf16 outputs, either may be null; a null `w` copies. In place is allowed.
+__device__ __forceinline__ void norm_one(const float* v, int n, const float* w, const float* b,
+                                         float eps, int layer, float* of, bf16* ob,
+                                         float* scratch) {
+    if (!w) {  // no norm: a plain copy
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+            if (of) of[i] = v[i];
+            if (ob) ob[i] = f2bf(v[i]);
+        }
+        return;
+    }
+    float mean = 0.0f;
+    if (layer) {
+        float s = 0.0f;
+        for (int i = threadIdx.x; i < n; i += blockDim.x) s += v[i];
+        mean = block_sum(s, scratch) / (float)n;
+    }
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const float d = v[i] - mean;
+        ss += d * d;
+    }
+    const float r = 1.0f / sqrtf(block_sum(ss, scratch) / (float)n + eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        float y = layer ? ((v[i] - mean) * r) * w[i] + b[i] : w[i] * (v[i] * r);
+        if (of) of[i] = y;
+        if (ob) ob[i] = f2bf(y);
+    }
+}
+
+// One block per row: out[row] = norm(x[row]); rows at `x_stride` (f32 out at the same stride).
+extern "C" __global__ void norm_rows(float* x, int x_stride, int n, const float* __restrict__ w,
+                                     const float* __restrict__ b, float eps, int layer,
+                                     float* out_f32, bf16* out_bf16, int out_stride) {
+    GRID_SYNC();
+    __shared__ float scratch[33];
+    const long long r = blockIdx.x;
+    norm_one(x + r * x_stride, n, w, b, eps, layer, out_f32 ? out_f32 + r * x_stride : 0,
+             out_bf16 ? out_bf16 + r * out_stride : 0, scratch);
+}
+
+// One block per row of the residual stream x [rows, h]:
+//   y += ybias; y = post_norm(y) (if pw); x += y * rscale; xn = norm(x) (a copy without nw).
+// `y_stride` lets a caller pass only some rows of y (the last, for logits).
+extern "C" __global__ void residual_norm(float* __restrict__ x, float* __restrict__ y, int h,
+                                         const float* __restrict__ ybias,
+                                         const float* __restrict__ pw, const float* __restrict__ pb,
+                                         float rscale, const float* __restrict__ nw,
+                                         const float* __restrict__ nb, float eps, int layer,
+                                         bf16* __restrict__ xn) {
+    GRID_SYNC();
+    __shared__ float scratch[33];
+    const long long r = blockIdx.x;
+    float* xr = x + r * h;
+    float* yr = y + r * h;
+    if (ybias) {
+        for (int i = threadIdx.x; i < h; i += blockDim.x) yr[i] += ybias[i];
+        __syncthreads();
+    }
+    if (pw) {
+        norm_one(yr, h, pw, pb, eps, layer, yr, 0, scratch);
+        __syncthreads();
+    }
+    for (int i = threadIdx.x; i < h; i += blockDim.x) xr[i] += yr[i] * rscale;
+    __syncthreads();
+    norm_one(xr, h, nw, nb, eps, layer, 0, xn + r * h, scratch);
+}
+
+// Prefill MLP activation: gu [rows, 2*ff] (gate | up) -> out [rows, ff] = act(g) * u; or, when
+// not gated, gu [rows, ff] -> act(u). Biases (over gu's columns) are added first.
+extern "C" __global__ void act_rows(const float* __restrict__ gu, const float* __restrict__ bias,
+                                    int ff, int gated, int act, bf16* __restrict__ out) {
+    GRID_SYNC();
+    const long long r = blockIdx.y;
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= ff) return;
+    if (gated) {
+        const float* row = gu + r * 2 * ff;
+        float g = row[i], u = row[ff + i];
+        if (bias) { g += bias[i]; u += bias[ff + i]; }
+        out[r * ff + i] = f2bf(activate(g, act) * u);
+    } else {
+        float u = gu[r * ff + i];
+        if (bias) u += bias[i];
+        out[r * ff + i] = f2bf(activate(u, act));
+    }
+}
+
+// Order-preserving map of a float onto an unsigned int.
+__device__ __forceinline__ u32 float_key(float f) {
+    const u32 u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Logits post-processing (softcap, then divisor; 0 = off) in place, and each block's best
+// (value key, lowest index) packed in a u64 for the final pass.
+extern "C" __global__ void logits_argmax_partial(float* __restrict__ logits, int n, float softcap,
+                                                 float divisor, u64* __restrict__ partial) {
+    GRID_SYNC();
+    __shared__ u64 best_w[32];
+    u64 best = 0;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        float v = logits[i];
+        if (softcap > 0.0f) v = tanhf(v / softcap) * softcap;
+        if (divisor != 0.0f) v = v / divisor;
+        if (softcap > 0.0f || divisor != 0.0f) logits[i] = v;
+        const u64 key = ((u64)float_key(v) << 32) | (u64)(0xffffffffu - (u32)i);
+        best = key > best ? key : best;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const u64 other = __shfl_xor_sync(FULL_MASK, best, o);
+        best = other > best ? other : best;
+    }
+    if ((threadIdx.x & 31) == 0) best_w[threadIdx.x >> 5] = best;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < (int)(blockDim.x >> 5); w++) best = best_w[w] > best ? best_w[w] : best;
+        partial[blockIdx.x] = best;
+    }
+}
+
+// Reduces the partial maxima: token[0] = argmax. For graph-replayed decoding it also appends the
+// token to `history` (at index *count, then increments it) and advances the position by one.
+extern "C" __global__ void argmax_final(const u64* __restrict__ partial, int n_partial,
+                                        int* __restrict__ token, int* pos, int* history,
+                                        int* count) {
+    GRID_SYNC();
+    u64 best = 0;
+    for (int i = threadIdx.x; i < n_partial; i += 32) best = partial[i] > best ? partial[i] : best;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const u64 other = __shfl_xor_sync(FULL_MASK, best, o);
+        best = other > best ? other : best;
+    }
+    if (threadIdx.x == 0) {
+        const int id = (int)(0xffffffffu - (u32)(best & 0xffffffffu));
+        token[0] = id;
+        if (pos) pos[0] += 1;
+        if (history) {
+            history[count[0]] = id;
+            count[0] += 1;
+        }
+    }
+}
+
+// Seeded uniform values in [-scale, scale) as bf16 (splitmix64 of the index).
+extern "C" __global__ void fill_uniform_bf16(bf16* __restrict__ p, u64 n, u64 seed, float scale) {
+    GRID_SYNC();
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        u64 z = seed + (i + 1) * 0x9e3779b97f4a7c15ull;
+        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+        z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+        z ^= z >> 31;
+        const float u = (float)(z >> 40) * (1.0f / 16777216.0f);  // [0, 1)
+        p[i] = f2bf((2.0f * u - 1.0f) * scale);
+    }
+}
+
+extern "C" __global__ void fill_f32(float* __restrict__ p, u64 n, float v) {
+    GRID_SYNC();
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        p[i] = v;
+}

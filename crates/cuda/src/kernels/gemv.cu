@@ -1,0 +1,134 @@
+// Decode GEMV over bf16 weights: y = W x for one activation row, bandwidth-bound.
+// One block of GEMV_THREADS computes R rows: its threads stride over the rows' 16-byte vectors
+// (8 bf16), so every block streams contiguous bytes, and a block per R rows gives every matrix
+// (even 4096-row ones) enough blocks to fill the chip. Each thread issues UNROLL loads per row
+// before using any; partial sums are reduced over the warp, then over the block.
+// Rows whose length is not a multiple of 8 take a scalar path.
+
+#define GEMV_THREADS 128
+#define GEMV_WARPS (GEMV_THREADS / 32)
+#ifndef UNROLL
+#define UNROLL 2
+#endif
+
+__device__ __forceinline__ float dot8(uint4 w, uint4 x) {
+    float s = bflo(w.x) * bflo(x.x);
+    s = fmaf(bfhi(w.x), bfhi(x.x), s);
+    s = fmaf(bflo(w.y), bflo(x.y), s);
+    s = fmaf(bfhi(w.y), bfhi(x.y), s);
+    s = fmaf(bflo(w.z), bflo(x.z), s);
+    s = fmaf(bfhi(w.z), bfhi(x.z), s);
+    s = fmaf(bflo(w.w), bflo(x.w), s);
+    s = fmaf(bfhi(w.w), bfhi(x.w), s);
+    return s;
+}
+
+// acc[r] = row r (starting at W + off[r]) . x, reduced over the block (thread 0 gets it).
+template <int R>
+__device__ __forceinline__ void block_dot(const bf16* __restrict__ W, const long long* off, int k,
+                                          const bf16* __restrict__ x, float* acc) {
+    __shared__ float red[R][GEMV_WARPS];
+    const int tid = threadIdx.x;
+#pragma unroll
+    for (int r = 0; r < R; r++) acc[r] = 0.0f;
+    // Weights are never written by earlier kernels: start pulling the first vectors into L2
+    // while the previous kernel finishes, then wait for it (programmatic dependent launch).
+    if ((k & 7) == 0) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; u++) {
+            const int v = tid + u * GEMV_THREADS;
+            if (v < (k >> 3))
+#pragma unroll
+                for (int r = 0; r < R; r++)
+                    asm volatile("prefetch.global.L2 [%0];" ::"l"(W + off[r] + (long long)v * 8));
+        }
+    }
+    GRID_SYNC();
+    if ((k & 7) == 0) {
+        const int nvec = k >> 3;
+        for (int v0 = tid; v0 < nvec; v0 += GEMV_THREADS * UNROLL) {
+            uint4 wv[R][UNROLL], xv[UNROLL];
+#pragma unroll
+            for (int u = 0; u < UNROLL; u++) {
+                const int v = v0 + u * GEMV_THREADS;
+                if (v < nvec) {
+#pragma unroll
+                    for (int r = 0; r < R; r++) wv[r][u] = ld_stream(W + off[r] + (long long)v * 8);
+                    xv[u] = ld_nc((const uint4*)(x) + v);
+                } else {
+                    xv[u] = make_uint4(0, 0, 0, 0);
+#pragma unroll
+                    for (int r = 0; r < R; r++) wv[r][u] = make_uint4(0, 0, 0, 0);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < UNROLL; u++)
+#pragma unroll
+                for (int r = 0; r < R; r++) acc[r] += dot8(wv[r][u], xv[u]);
+        }
+    } else {
+        for (int i = tid; i < k; i += GEMV_THREADS) {
+            const float xi = bf2f(x[i]);
+#pragma unroll
+            for (int r = 0; r < R; r++) acc[r] = fmaf(bf2f(W[off[r] + i]), xi, acc[r]);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        acc[r] = warp_sum(acc[r]);
+        if ((tid & 31) == 0) red[r][tid >> 5] = acc[r];
+    }
+    __syncthreads();
+    if (tid == 0) {
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            float s = 0.0f;
+#pragma unroll
+            for (int w = 0; w < GEMV_WARPS; w++) s += red[r][w];
+            acc[r] = s;
+        }
+    }
+}
+
+// y[n] (f32) = W[n, k] x.  Two rows per block.
+extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
+gemv_f32(const bf16* __restrict__ W, int n, int k, const bf16* __restrict__ x, float* __restrict__ y) {
+    const int row = blockIdx.x * 2;
+    long long off[2] = {(long long)row * k, (long long)min(row + 1, n - 1) * k};
+    float acc[2];
+    block_dot<2>(W, off, k, x, acc);
+    if (threadIdx.x == 0) {
+        y[row] = acc[0];
+        if (row + 1 < n) y[row + 1] = acc[1];
+    }
+}
+
+// Gated MLP: W [2*ff, k] holds gate rows then up rows; out[i] = act(g_i + bg_i) * (u_i + bu_i) as
+// bf16, the gate and up rows of one output in the same block.
+extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
+gemv_glu(const bf16* __restrict__ W, int ff, int k, const bf16* __restrict__ x,
+         const float* __restrict__ bias, int act, bf16* __restrict__ out) {
+    const int i = blockIdx.x;
+    long long off[2] = {(long long)i * k, (long long)(ff + i) * k};
+    float acc[2];
+    block_dot<2>(W, off, k, x, acc);
+    if (threadIdx.x == 0) {
+        float g = acc[0], u = acc[1];
+        if (bias) { g += bias[i]; u += bias[ff + i]; }
+        out[i] = f2bf(activate(g, act) * u);
+    }
+}
+
+// Plain MLP: out[i] = act(W_i . x + b_i) as bf16, two rows per block.
+extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
+gemv_act(const bf16* __restrict__ W, int n, int k, const bf16* __restrict__ x,
+         const float* __restrict__ bias, int act, bf16* __restrict__ out) {
+    const int row = blockIdx.x * 2;
+    long long off[2] = {(long long)row * k, (long long)min(row + 1, n - 1) * k};
+    float acc[2];
+    block_dot<2>(W, off, k, x, acc);
+    if (threadIdx.x == 0) {
+        out[row] = f2bf(activate(acc[0] + (bias ? bias[row] : 0.0f), act));
+        if (row + 1 < n) out[row + 1] = f2bf(activate(acc[1] + (bias ? bias[row + 1] : 0.0f), act));
+    }
+}

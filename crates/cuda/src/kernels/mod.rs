@@ -1,0 +1,77 @@
+//! CUDA C++ kernel sources, embedded in the binary. Each is compiled with [`PRELUDE`] in front
+//! (bf16 helpers, reductions, activations); see [`crate::nvrtc`].
+//!
+//! The Rust launchers for these kernels live in [`crate::dense`] and [`crate::bench`], next to the
+//! code that owns the buffers they run on.
+
+/// Definitions shared by every kernel source.
+pub const PRELUDE: &str = include_str!("prelude.cuh");
+
+/// One `.cu` source.
+pub struct KernelSource {
+    pub name: &'static str,
+    pub source: &'static str,
+    /// Its `extern "C"` kernels.
+    pub functions: &'static [&'static str],
+    /// Hot kernels (run every token) must compile without register spills.
+    pub hot: bool,
+    /// Compile-time variants CI checks (`-D` defines), besides none.
+    pub variants: &'static [&'static str],
+}
+
+impl KernelSource {
+    /// The text NVRTC compiles.
+    pub fn full_source(&self) -> String {
+        format!("{PRELUDE}\n#line 1 \"{}.cu\"\n{}", self.name, self.source)
+    }
+}
+
+pub const ELEMENTWISE: KernelSource = KernelSource {
+    name: "elementwise",
+    source: include_str!("elementwise.cu"),
+    functions: &[
+        "embed_rows",
+        "norm_rows",
+        "residual_norm",
+        "act_rows",
+        "logits_argmax_partial",
+        "argmax_final",
+        "fill_uniform_bf16",
+        "fill_f32",
+    ],
+    hot: true,
+    variants: &[],
+};
+
+pub const ROPE: KernelSource = KernelSource {
+    name: "rope",
+    source: include_str!("rope.cu"),
+    functions: &["qkv_rope"],
+    hot: true,
+    variants: &[],
+};
+
+pub const ATTENTION: KernelSource = KernelSource {
+    name: "attention",
+    source: include_str!("attention.cu"),
+    functions: &["attn_partial", "attn_combine"],
+    hot: true,
+    variants: &[
+        "HEAD_DIM=16",
+        "HEAD_DIM=32",
+        "HEAD_DIM=64",
+        "HEAD_DIM=128",
+        "HEAD_DIM=256",
+    ],
+};
+
+pub const GEMV: KernelSource = KernelSource {
+    name: "gemv",
+    source: include_str!("gemv.cu"),
+    functions: &["gemv_f32", "gemv_glu", "gemv_act"],
+    hot: true,
+    variants: &["UNROLL=2", "UNROLL=4", "UNROLL=8"],
+};
+
+/// Every kernel source.
+pub const ALL: &[&KernelSource] = &[&ELEMENTWISE, &ROPE, &ATTENTION, &GEMV];

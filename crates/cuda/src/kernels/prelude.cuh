@@ -1,0 +1,90 @@
+// Shared definitions, prepended to every kernel source before NVRTC compiles it. No CUDA headers
+// are needed: bf16 values travel as raw 16-bit words and are widened with shifts.
+typedef unsigned short bf16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define FULL_MASK 0xffffffffu
+#define NEG_INF __int_as_float(0xff800000)
+
+// bf16 -> f32: the bf16 bits are the top half of the f32.
+__device__ __forceinline__ float bf2f(bf16 v) { return __uint_as_float(((u32)v) << 16); }
+// The low and high bf16 of a packed pair (element 2i is the low half, little endian).
+__device__ __forceinline__ float bflo(u32 w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bfhi(u32 w) { return __uint_as_float(w & 0xffff0000u); }
+// f32 -> bf16, round to nearest even; NaN stays NaN.
+__device__ __forceinline__ bf16 f2bf(float f) {
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16)(u >> 16);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
+__device__ __forceinline__ float block_sum(float v, float* scratch /* 33 floats */) {
+    v = warp_sum(v);
+    const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+    __syncthreads();
+    if (l == 0) scratch[w] = v;
+    __syncthreads();
+    if (w == 0) {
+        v = (l < (int)(blockDim.x >> 5)) ? scratch[l] : 0.0f;
+        v = warp_sum(v);
+        if (l == 0) scratch[32] = v;
+    }
+    __syncthreads();
+    return scratch[32];
+}
+
+// Activations, written as the CPU reference (backend::cpu) writes them.
+#define ACT_SILU 0
+#define ACT_GELU_TANH 1
+#define ACT_GELU 2
+__device__ __forceinline__ float activate(float x, int act) {
+    if (act == ACT_SILU) return x / (1.0f + expf(-x));
+    if (act == ACT_GELU_TANH) {
+        const float c = 0.7978846f;
+        return 0.5f * x * (1.0f + tanhf(c * (x + 0.044715f * x * x * x)));
+    }
+    return x * (1.0f + erff(x * 0.70710678f)) * 0.5f;
+}
+
+// A 16-byte load that bypasses L1 (weights are read once per token).
+__device__ __forceinline__ uint4 ld_stream(const void* p) {
+    uint4 r;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p));
+    return r;
+}
+
+// Programmatic dependent launch (sm_90+): a kernel lets the next one start launching early, and
+// waits for its predecessor's completion before touching memory. Without the launch attribute
+// both are no-ops.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define GRID_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+#define GRID_LAUNCH_DEPENDENTS() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
+#else
+#define GRID_WAIT()
+#define GRID_LAUNCH_DEPENDENTS()
+#endif
+#define GRID_SYNC() do { GRID_LAUNCH_DEPENDENTS(); GRID_WAIT(); } while (0)
+
+// A 16-byte read-only load through L1 (activation vectors every warp of a block reads).
+__device__ __forceinline__ uint4 ld_nc(const void* p) {
+    uint4 r;
+    asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p));
+    return r;
+}

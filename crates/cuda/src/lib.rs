@@ -1,0 +1,256 @@
+//! trellm's CUDA backend.
+//!
+//! Nothing CUDA is needed to build this crate: the driver, NVRTC and cuBLAS are loaded at run
+//! time (cudarc's dynamic loading), so the same binary runs, and its tests pass, on machines
+//! without a GPU ([`available`] says whether one can be used).
+//!
+//! - [`nvrtc`]: kernels are `.cu` sources embedded in the binary (`kernels/`), compiled on first
+//!   use by the device's own NVRTC to CUBIN for the device's architecture (`sm_90a` on Hopper) and
+//!   cached on disk, keyed by a hash of source, options, architecture and NVRTC version.
+//! - [`Gpu`]: one device, one stream, the compiled modules and a cuBLAS handle.
+//! - [`dense`]: the llama/gemma-style dense decoder over bf16 weights: cuBLAS GEMMs for prefill,
+//!   our own bandwidth-bound GEMV for decode, the whole decode step captured as one CUDA graph.
+//! - [`bench`]: synthetic seeded weights generated on the device and the decode/prefill benchmark.
+
+pub mod bench;
+pub mod dense;
+pub mod kernels;
+pub mod nvrtc;
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use anyhow::{anyhow, bail, Context, Result};
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{
+    result as dres, sys as dsys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream,
+};
+use cudarc::driver::{DevicePtr, DeviceRepr, ValidAsZeroBits};
+
+#[cfg(not(target_endian = "little"))]
+compile_error!("kernel arguments are packed for little-endian hosts");
+
+/// Whether a CUDA driver with at least one device can be used here. Never panics: without
+/// `libcuda` it returns false.
+pub fn available() -> bool {
+    // SAFETY: only tries to dlopen the driver library.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return false;
+    }
+    std::panic::catch_unwind(|| {
+        dres::init().is_ok() && CudaContext::device_count().map(|n| n > 0).unwrap_or(false)
+    })
+    .unwrap_or(false)
+}
+
+/// Why [`available`] is false, for skip messages.
+pub fn unavailable_reason() -> String {
+    // SAFETY: only tries to dlopen the driver library.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return "no CUDA driver (libcuda) found".into();
+    }
+    match std::panic::catch_unwind(|| dres::init().map(|_| CudaContext::device_count())) {
+        Ok(Ok(Ok(n))) if n > 0 => "a CUDA device is available".into(),
+        Ok(Ok(Ok(_))) => "the CUDA driver reports no devices".into(),
+        Ok(Ok(Err(e))) | Ok(Err(e)) => format!("the CUDA driver failed: {e}"),
+        Err(_) => "the CUDA driver could not be loaded".into(),
+    }
+}
+
+/// A kernel argument. Pointers are raw device addresses.
+#[derive(Clone, Copy, Debug)]
+pub enum Arg {
+    Ptr(u64),
+    I32(i32),
+    F32(f32),
+    U64(u64),
+}
+
+/// A device buffer's address (0 for None: kernels treat null pointers as "absent").
+pub fn ptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
+    let (p, _sync) = s.device_ptr(stream);
+    p
+}
+
+/// One device: its context, the stream everything runs on, compiled modules, cuBLAS.
+pub struct Gpu {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    pub blas: CudaBlas,
+    /// NVRTC's target, e.g. `sm_90a`.
+    pub arch: String,
+    pub name: String,
+    pub sm_count: usize,
+    modules: Mutex<HashMap<String, Arc<CudaModule>>>,
+    /// Launch with programmatic dependent launch (sm_90+; `TRELLM_CUDA_PDL=0` turns it off).
+    pdl: AtomicBool,
+}
+
+impl Gpu {
+    /// Opens device `ordinal`. Fails (without panicking) where [`available`] is false.
+    pub fn new(ordinal: usize) -> Result<Gpu> {
+        if !available() {
+            bail!("CUDA is not usable here: {}", unavailable_reason());
+        }
+        let ctx = CudaContext::new(ordinal).context("creating the CUDA context")?;
+        // One stream, buffers addressed by raw pointers: cudarc's cross-stream event tracking
+        // would only add work (and breaks graph capture).
+        // SAFETY: called before any buffer exists.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream()?;
+        let blas = CudaBlas::new(stream.clone()).map_err(|e| anyhow!("cuBLAS: {e:?}"))?;
+        let (major, minor) = ctx.compute_capability()?;
+        // Architecture-specific targets (wgmma, setmaxnreg) exist from sm_90 on.
+        let arch = if major >= 9 {
+            format!("sm_{major}{minor}a")
+        } else {
+            format!("sm_{major}{minor}")
+        };
+        let sm_count = ctx.attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        )? as usize;
+        Ok(Gpu {
+            name: ctx.name()?,
+            ctx,
+            stream,
+            blas,
+            arch,
+            sm_count,
+            modules: Mutex::new(HashMap::new()),
+            pdl: AtomicBool::new(
+                major >= 9 && std::env::var("TRELLM_CUDA_PDL").as_deref() != Ok("0"),
+            ),
+        })
+    }
+
+    /// A kernel function of `source` compiled with `defines` (`NAME=VALUE`), compiled (or read
+    /// from the disk cache) and loaded on first use.
+    pub fn function(
+        &self,
+        source: &kernels::KernelSource,
+        defines: &[String],
+        name: &str,
+    ) -> Result<CudaFunction> {
+        let key = format!("{}|{}", source.name, defines.join(","));
+        let module = {
+            let mut mods = self.modules.lock().unwrap();
+            match mods.get(&key) {
+                Some(m) => m.clone(),
+                None => {
+                    let c = nvrtc::compile_cached(source, defines, &self.arch)?;
+                    let m = self
+                        .ctx
+                        .load_module(cudarc::nvrtc::Ptx::from_binary(c))
+                        .with_context(|| format!("loading the CUBIN of {}", source.name))?;
+                    mods.insert(key, m.clone());
+                    m
+                }
+            }
+        };
+        module
+            .load_function(name)
+            .with_context(|| format!("kernel {name} in {}", source.name))
+    }
+
+    /// Launches `f` on the stream.
+    pub fn launch(
+        &self,
+        f: &CudaFunction,
+        grid: (u32, u32, u32),
+        block: u32,
+        args: &[Arg],
+    ) -> Result<()> {
+        let mut store: Vec<u64> = args
+            .iter()
+            .map(|a| match *a {
+                Arg::Ptr(v) | Arg::U64(v) => v,
+                Arg::I32(v) => v as u32 as u64,
+                Arg::F32(v) => v.to_bits() as u64,
+            })
+            .collect();
+        // The driver reads each parameter's size from its address; on a little-endian host the
+        // low 4 bytes of the u64 are the i32/f32 value.
+        let mut params: Vec<*mut c_void> = store
+            .iter_mut()
+            .map(|v| v as *mut u64 as *mut c_void)
+            .collect();
+        if self.pdl() {
+            let mut attr = dsys::CUlaunchAttribute {
+                id:
+                    dsys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+                pad: [0; 4],
+                // SAFETY: an all-zero union is a valid value; the field is then set.
+                value: unsafe { std::mem::zeroed() },
+            };
+            attr.value.programmaticStreamSerializationAllowed = 1;
+            let cfg = dsys::CUlaunchConfig {
+                gridDimX: grid.0,
+                gridDimY: grid.1,
+                gridDimZ: grid.2,
+                blockDimX: block,
+                blockDimY: 1,
+                blockDimZ: 1,
+                sharedMemBytes: 0,
+                hStream: self.stream.cu_stream(),
+                attrs: &mut attr,
+                numAttrs: 1,
+            };
+            // SAFETY: as below; `cfg` and `attr` outlive the call.
+            return unsafe {
+                dsys::cuLaunchKernelEx(
+                    &cfg,
+                    f.cu_function(),
+                    params.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            }
+            .result()
+            .context("kernel launch (PDL)");
+        }
+        // SAFETY: the argument list matches the kernel's signature (each launcher is written
+        // against its .cu source) and every pointer is a live device allocation.
+        unsafe {
+            dres::launch_kernel(
+                f.cu_function(),
+                grid,
+                (block, 1, 1),
+                0,
+                self.stream.cu_stream(),
+                &mut params,
+            )
+        }
+        .context("kernel launch")
+    }
+
+    /// Whether launches use programmatic dependent launch.
+    pub fn pdl(&self) -> bool {
+        self.pdl.load(Ordering::Relaxed)
+    }
+
+    /// Turns programmatic dependent launch on or off (off below sm_90). Graphs captured before
+    /// keep what they were captured with.
+    pub fn set_pdl(&self, on: bool) {
+        let ok = self.arch.starts_with("sm_9") || self.arch.starts_with("sm_1");
+        self.pdl.store(on && ok, Ordering::Relaxed);
+    }
+
+    pub fn alloc<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
+        self.stream
+            .alloc_zeros::<T>(n.max(1))
+            .with_context(|| format!("allocating {} bytes", n * std::mem::size_of::<T>()))
+    }
+
+    pub fn upload<T: DeviceRepr>(&self, v: &[T]) -> Result<CudaSlice<T>> {
+        Ok(self.stream.clone_htod(v)?)
+    }
+
+    pub fn ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
+        ptr(s, &self.stream)
+    }
+
+    pub fn sync(&self) -> Result<()> {
+        Ok(self.stream.synchronize()?)
+    }
+}

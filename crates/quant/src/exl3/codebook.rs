@@ -1,0 +1,87 @@
+//! The three EXL3 codebooks: a 16-bit trellis state in, one fp16 weight out.
+//!
+//! exllamav3 computes these with fp16 adds and fmas on the GPU. Every intermediate here is exact
+//! in f32 (see the per-codebook notes), so one final f32 -> f16 rounding (round to nearest even,
+//! as the GPU's) gives the same bits.
+
+use std::sync::OnceLock;
+
+use half::f16;
+
+/// Which procedural codebook maps states to values; chosen per tensor by the presence of an
+/// `mcg` or `mul1` tensor, neither meaning 3INST.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Codebook {
+    /// QTIP's 3INST: an LCG step, a mask/xor that lands two fp16 halves in [0.125, 2), their sum.
+    Inst3,
+    /// The same mask/xor/sum after a multiplicative congruential step (no additive constant).
+    Mcg,
+    /// A multiply, then the sum of the product's four bytes, scaled and centred.
+    Mul1,
+}
+
+const MASK: u32 = 0x8FFF_8FFF;
+const XOR: u32 = 0x3B60_3B60;
+pub const INST3_MUL: u32 = 89_226_354;
+pub const INST3_ADD: u32 = 64_248_484;
+pub const MCG_MUL: u32 = 0xCBAC_1FED;
+pub const MUL1_MUL: u32 = 0x83DC_D12D;
+/// fp16 0x1EEE (~1/147.77) and 0xC931 (~-10.38): MUL1's fp16 fma operands.
+const MUL1_SCALE: u16 = 0x1EEE;
+const MUL1_BIAS: u16 = 0xC931;
+
+/// The two fp16 halves left by the mask/xor: exponents 12..=15 (values in [2^-3, 2)), so their
+/// f32 sum is exact and rounding it once equals the GPU's `__hadd`.
+#[inline]
+fn half_pair_sum(m: u32) -> f32 {
+    let m = (m & MASK) ^ XOR;
+    f16::from_bits(m as u16).to_f32() + f16::from_bits((m >> 16) as u16).to_f32()
+}
+
+/// MUL1's value from the byte sum `s` (0..=1020): `fma(1024 + s, scale, bias)` in fp16. Both
+/// operands are multiples of 2^-18 below 2^4, so the f32 product and sum are exact.
+#[inline]
+pub fn mul1_value(s: u32) -> f32 {
+    let h = (1024 + s) as f32;
+    h * f16::from_bits(MUL1_SCALE).to_f32() + f16::from_bits(MUL1_BIAS).to_f32()
+}
+
+/// MUL1's value before rounding as `s * a + b` for the byte sum `s` (both exact in f32):
+/// `(scale, 1024 scale + bias)`.
+pub fn mul1_affine() -> (f32, f32) {
+    let scale = f16::from_bits(MUL1_SCALE).to_f32();
+    (scale, 1024.0 * scale + f16::from_bits(MUL1_BIAS).to_f32())
+}
+
+/// The codebook's fp16 value for a 16-bit state.
+#[inline]
+pub fn decode(cb: Codebook, state: u16) -> f16 {
+    let x = state as u32;
+    let v = match cb {
+        Codebook::Inst3 => half_pair_sum(x.wrapping_mul(INST3_MUL).wrapping_add(INST3_ADD)),
+        Codebook::Mcg => half_pair_sum(x.wrapping_mul(MCG_MUL)),
+        Codebook::Mul1 => {
+            let p = x.wrapping_mul(MUL1_MUL);
+            mul1_value(p.to_le_bytes().iter().map(|&b| b as u32).sum())
+        }
+    };
+    f16::from_f32(v)
+}
+
+/// All 65536 values of a codebook as f32, built once: the fast paths decode by table look-up.
+pub fn table(cb: Codebook) -> &'static [f32; 65536] {
+    static TABLES: [OnceLock<Box<[f32; 65536]>>; 3] =
+        [OnceLock::new(), OnceLock::new(), OnceLock::new()];
+    let i = match cb {
+        Codebook::Inst3 => 0,
+        Codebook::Mcg => 1,
+        Codebook::Mul1 => 2,
+    };
+    TABLES[i].get_or_init(|| {
+        let mut t = Box::new([0.0f32; 65536]);
+        for (s, v) in t.iter_mut().enumerate() {
+            *v = decode(cb, s as u16).to_f32();
+        }
+        t
+    })
+}

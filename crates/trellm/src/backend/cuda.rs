@@ -1,0 +1,305 @@
+//! The bridge to the CUDA backend (`trellm-cuda`): the decoder's `ModelConfig` and `Weights`
+//! become the GPU decoder's plain config and bf16 buffers, and the GPU decoder is checked against
+//! the CPU decoder in the same binary.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{bail, ensure, Context, Result};
+use trellm_cuda::dense::{self, DenseConfig, DenseModel, DenseWeights, HostLayer, HostNorm};
+use trellm_cuda::Gpu;
+
+use crate::model::config::{Activation, Mlp, ModelConfig, Norm, QkNorm};
+use crate::model::decoder::Logits;
+use crate::model::weights::{Linear, LinearWeight, Matrix, NormWeights, Weights};
+use crate::model::KvCache;
+
+pub use trellm_cuda::{available, unavailable_reason};
+
+/// The GPU decoder's view of `cfg`; fails for what the CUDA path does not run yet.
+pub fn dense_config(cfg: &ModelConfig) -> Result<DenseConfig> {
+    let layers = cfg
+        .layers
+        .iter()
+        .map(|l| {
+            let rope = match &l.rope {
+                None => None,
+                Some(r) if r.is_dynamic() => {
+                    bail!("dynamic-NTK RoPE is not supported on CUDA yet")
+                }
+                Some(r) => Some(dense::RopeSpec {
+                    dims: r.dims,
+                    interleaved: r.traditional,
+                    position_scale: r.position_scale,
+                    input_scale: r.input_scale.unwrap_or(1.0),
+                    inv_freq: r.inv_freq(1),
+                }),
+            };
+            Ok(dense::LayerSpec {
+                window: l.sliding_window,
+                rope,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(DenseConfig {
+        hidden: cfg.hidden,
+        intermediate: cfg.intermediate,
+        n_heads: cfg.n_heads,
+        n_kv_heads: cfg.n_kv_heads,
+        head_dim: cfg.head_dim,
+        vocab: cfg.vocab,
+        norm_eps: cfg.norm_eps,
+        norm: match cfg.norm {
+            Norm::Rms => dense::NormKind::Rms,
+            Norm::Layer => dense::NormKind::Layer,
+        },
+        pre_norms: cfg.pre_norms,
+        post_norms: cfg.post_norms,
+        qk_norm: match cfg.qk_norm {
+            QkNorm::None => dense::QkNormKind::None,
+            QkNorm::PerHead => dense::QkNormKind::PerHead,
+            QkNorm::Whole => dense::QkNormKind::Whole,
+        },
+        activation: match cfg.activation {
+            Activation::Silu => dense::Act::Silu,
+            Activation::GeluTanh => dense::Act::GeluTanh,
+            Activation::Gelu => dense::Act::Gelu,
+        },
+        gated: cfg.mlp == Mlp::Gated,
+        qkv_bias: cfg.qkv_bias,
+        o_bias: cfg.o_bias,
+        mlp_bias: cfg.mlp_bias,
+        tied_embeddings: cfg.tied_embeddings,
+        embed_scale: cfg.embed_scale,
+        residual_scale: cfg.residual_scale,
+        attn_scale: cfg.attn_scale,
+        attn_softcap: cfg.attn_softcap,
+        final_softcap: cfg.final_softcap,
+        logits_divisor: cfg.logits_divisor,
+        layers,
+    })
+}
+
+/// Appends `m`'s rows, decoded exactly and rounded to bf16.
+fn push_bf16(out: &mut Vec<u16>, m: &Matrix) {
+    let mut row = vec![0.0f32; m.cols];
+    out.reserve(m.rows * m.cols);
+    for r in 0..m.rows {
+        m.dequantize_row(r, &mut row);
+        out.extend(row.iter().map(|&v| dense::to_bf16(v)));
+    }
+}
+
+/// The matrix of a projection in a ggml format (EXL3 weights need the trellis kernels).
+fn ggml(l: &LinearWeight) -> Result<&Matrix> {
+    match l {
+        LinearWeight::Ggml(m) => Ok(m),
+        LinearWeight::Exl3(_) => bail!("EXL3 weights are not supported on CUDA yet"),
+    }
+}
+
+fn bf16_of(ls: &[&LinearWeight]) -> Result<Vec<u16>> {
+    let mut out = Vec::new();
+    for l in ls {
+        push_bf16(&mut out, ggml(l)?);
+    }
+    Ok(out)
+}
+
+fn host_norm(n: &NormWeights) -> HostNorm {
+    HostNorm {
+        w: n.w.clone(),
+        b: n.b.clone(),
+    }
+}
+
+/// Biases of several projections side by side (zeros where one has none); None if none has one.
+fn biases(ls: &[&Linear]) -> Option<Vec<f32>> {
+    if ls.iter().all(|l| l.b.is_none()) {
+        return None;
+    }
+    let mut v = Vec::new();
+    for l in ls {
+        match &l.b {
+            Some(b) => v.extend_from_slice(b),
+            None => v.extend(std::iter::repeat_n(0.0, l.w.rows())),
+        }
+    }
+    Some(v)
+}
+
+/// Uploads `weights` (any stored format, rounded to bf16) and builds the GPU decoder.
+pub fn upload(
+    gpu: Arc<Gpu>,
+    cfg: &ModelConfig,
+    weights: &Weights,
+    max_context: usize,
+    max_prefill: usize,
+) -> Result<DenseModel> {
+    let dc = dense_config(cfg)?;
+    let layers = weights.layers.iter().map(|lw| {
+        let gate_up = match &lw.gate {
+            Some(g) => vec![g, &lw.up],
+            None => vec![&lw.up],
+        };
+        Ok(HostLayer {
+            attn_norm: lw.attn_norm.as_ref().map(host_norm),
+            qkv: bf16_of(&[&lw.q.w, &lw.k.w, &lw.v.w])?,
+            qkv_bias: biases(&[&lw.q, &lw.k, &lw.v]),
+            q_norm: lw.q_norm.clone(),
+            k_norm: lw.k_norm.clone(),
+            o: bf16_of(&[&lw.o.w])?,
+            o_bias: lw.o.b.clone(),
+            post_attn_norm: lw.post_attn_norm.as_ref().map(host_norm),
+            ffn_norm: lw.ffn_norm.as_ref().map(host_norm),
+            gate_up: bf16_of(&gate_up.iter().map(|l| &l.w).collect::<Vec<_>>())?,
+            gate_up_bias: biases(&gate_up),
+            down: bf16_of(&[&lw.down.w])?,
+            down_bias: lw.down.b.clone(),
+            post_ffn_norm: lw.post_ffn_norm.as_ref().map(host_norm),
+        })
+    });
+    let mut embed = Vec::new();
+    push_bf16(&mut embed, &weights.embed);
+    let lm_head = if cfg.tied_embeddings {
+        None
+    } else {
+        Some(bf16_of(&[&weights.lm_head])?)
+    };
+    let w = DenseWeights::upload(
+        &gpu,
+        &dc,
+        &embed,
+        &host_norm(&weights.final_norm),
+        lm_head.as_deref(),
+        layers,
+    )?;
+    DenseModel::new(gpu, dc, w, max_context, max_prefill)
+}
+
+/// Copies a model folder (`config.json` + one `model.safetensors`) with every f32 weight rounded
+/// to bf16, so the CPU decoder runs on exactly the values the GPU holds.
+fn bf16_rounded_copy(src: &Path, dst: &Path) -> Result<()> {
+    std::fs::create_dir_all(dst)?;
+    for f in ["config.json", "generation_config.json"] {
+        if src.join(f).exists() {
+            std::fs::copy(src.join(f), dst.join(f))?;
+        }
+    }
+    let mut bytes = std::fs::read(src.join("model.safetensors"))
+        .with_context(|| format!("{}: model.safetensors", src.display()))?;
+    ensure!(bytes.len() >= 8, "truncated safetensors");
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n])?;
+    let base = 8 + n;
+    for (name, t) in header.as_object().context("safetensors header")? {
+        if name == "__metadata__" || t["dtype"] != "F32" {
+            continue;
+        }
+        let off = &t["data_offsets"];
+        let (a, b) = (
+            base + off[0].as_u64().context("offset")? as usize,
+            base + off[1].as_u64().context("offset")? as usize,
+        );
+        for c in bytes[a..b].chunks_exact_mut(4) {
+            let v = f32::from_le_bytes(c.try_into().unwrap());
+            let r = half::bf16::from_f32(v).to_f32();
+            c.copy_from_slice(&r.to_le_bytes());
+        }
+    }
+    std::fs::write(dst.join("model.safetensors"), bytes)?;
+    Ok(())
+}
+
+/// One comparison of the GPU decoder against the CPU decoder.
+#[derive(Debug, Clone)]
+pub struct CheckReport {
+    pub model: PathBuf,
+    pub steps: usize,
+    /// Largest `|gpu - cpu| / |cpu|` (L2 over the vocabulary) over prefill and every step.
+    pub max_rel_err: f64,
+    pub max_abs_err: f64,
+    pub cpu_ids: Vec<u32>,
+    pub gpu_ids: Vec<u32>,
+    /// The CPU's top-2 logit gap at the first step where the ids differ.
+    pub gap_at_divergence: Option<f32>,
+}
+
+impl CheckReport {
+    pub fn ids_equal(&self) -> bool {
+        self.cpu_ids == self.gpu_ids
+    }
+}
+
+fn errors(gpu: &[f32], cpu: &[f32]) -> (f64, f64) {
+    let (mut num, mut den, mut max) = (0.0f64, 0.0f64, 0.0f64);
+    for (&g, &c) in gpu.iter().zip(cpu) {
+        let d = (g - c) as f64;
+        num += d * d;
+        den += (c as f64) * (c as f64);
+        max = max.max(d.abs());
+    }
+    ((num / den.max(1e-30)).sqrt(), max)
+}
+
+fn top2_gap(x: &[f32]) -> f32 {
+    let mut v = x.to_vec();
+    v.sort_by(|a, b| b.total_cmp(a));
+    v[0] - v.get(1).copied().unwrap_or(f32::NEG_INFINITY)
+}
+
+/// Runs a prompt and `steps` greedy steps on the CPU and the GPU decoder (weights rounded to
+/// bf16 for both) and compares logits and ids.
+pub fn check_against_cpu(model_dir: &Path, steps: usize) -> Result<CheckReport> {
+    let name = model_dir
+        .file_name()
+        .map(|s| s.to_string_lossy().to_string())
+        .unwrap_or_default();
+    let tmp = std::env::temp_dir().join(format!("trellm-cuda-check-{}-{name}", std::process::id()));
+    bf16_rounded_copy(model_dir, &tmp)?;
+    let loaded = crate::model::load::load(&tmp);
+    let _ = std::fs::remove_dir_all(&tmp);
+    let loaded = loaded?;
+    let dec = &loaded.decoder;
+    let cfg = &dec.cfg;
+    let prompt: Vec<u32> = (0..11u32)
+        .map(|i| (i * 37 + 3) % cfg.vocab as u32)
+        .collect();
+    let ctx = prompt.len() + steps + 1;
+    let gpu = Arc::new(Gpu::new(0)?);
+    let mut g = upload(gpu, cfg, &dec.weights, ctx, prompt.len())?;
+
+    let mut cache = KvCache::new(cfg);
+    let mut cpu_logits = dec.forward(&prompt, &mut cache, Logits::Last);
+    g.prefill(&prompt)?;
+    let mut gpu_logits = g.logits()?;
+    let (mut max_rel, mut max_abs) = errors(&gpu_logits, &cpu_logits);
+    let (mut cpu_ids, mut gpu_ids) = (Vec::new(), Vec::new());
+    let mut gap = None;
+    for _ in 0..steps {
+        let c = crate::engine::sampler::argmax(&cpu_logits);
+        let gt = g.next_token()?;
+        if c != gt && gap.is_none() {
+            gap = Some(top2_gap(&cpu_logits));
+        }
+        cpu_ids.push(c);
+        gpu_ids.push(gt);
+        // Both continue from the CPU's token, so later steps still compare like with like.
+        g.set_next_token(c)?;
+        cpu_logits = dec.forward(&[c], &mut cache, Logits::Last);
+        g.decode_step()?;
+        gpu_logits = g.logits()?;
+        let (r, a) = errors(&gpu_logits, &cpu_logits);
+        max_rel = max_rel.max(r);
+        max_abs = max_abs.max(a);
+    }
+    Ok(CheckReport {
+        model: model_dir.to_path_buf(),
+        steps,
+        max_rel_err: max_rel,
+        max_abs_err: max_abs,
+        cpu_ids,
+        gpu_ids,
+        gap_at_divergence: gap,
+    })
+}

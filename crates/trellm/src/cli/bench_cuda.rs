@@ -1,0 +1,78 @@
+//! `trellm bench --device cuda`: the GPU benchmark on synthetic weights (`--shape`) and the
+//! GPU-against-CPU check (`--check --model DIR`).
+
+use anyhow::{bail, Result};
+
+use super::bench::BenchArgs;
+
+#[cfg(not(feature = "cuda"))]
+pub fn run(_: &BenchArgs) -> Result<()> {
+    bail!("this trellm was built without the cuda feature")
+}
+
+#[cfg(feature = "cuda")]
+pub fn run(a: &BenchArgs) -> Result<()> {
+    use crate::backend::cuda;
+    if !cuda::available() {
+        bail!("--device cuda: {}", cuda::unavailable_reason());
+    }
+    if a.check {
+        let dir = trellm_hub::resolve_model(&a.model.model, false)?;
+        let r = cuda::check_against_cpu(&dir, a.n_gen)?;
+        let obj = serde_json::json!({
+            "model": r.model.display().to_string(),
+            "steps": r.steps,
+            "max_rel_err": r.max_rel_err,
+            "max_abs_err": r.max_abs_err,
+            "ids_equal": r.ids_equal(),
+            "cpu_ids": r.cpu_ids,
+            "gpu_ids": r.gpu_ids,
+            "gap_at_divergence": r.gap_at_divergence,
+        });
+        println!("{obj}");
+        return Ok(());
+    }
+    let Some(shape) = &a.shape else {
+        bail!("--device cuda needs --shape (llama-3.1-8b, tiny) or --check");
+    };
+    let o = trellm_cuda::bench::BenchOptions {
+        n_prompt: a.n_prompt.max(1),
+        context: a.context.max(1),
+        n_gen: a.n_gen.max(1),
+        repetitions: a.repetitions,
+        seed: 1,
+    };
+    let r = trellm_cuda::bench::run(shape, &o)?;
+    let copy = r.copy_bytes_per_s;
+    let obj = serde_json::json!({
+        "device": r.device,
+        "shape": r.shape,
+        "copy_tb_s": copy / 1e12,
+        "gemm_bf16_tflop_s": r.gemm_flops_bf16_out / 1e12,
+        "gemm_bf16_f32out_tflop_s": r.gemm_flops_f32_out / 1e12,
+        "n_prompt": o.n_prompt,
+        "prefill_tok_s": r.prefill_tok_s,
+        "prefill_tflop_s": r.prefill_flops / 1e12,
+        "prefill_frac_of_gemm_peak": r.prefill_flops / r.gemm_flops_bf16_out,
+        "context": o.context,
+        "n_gen": o.n_gen,
+        "decode_tok_s": r.decode_tok_s,
+        "decode_ms_per_token": 1e3 / r.decode_tok_s,
+        "decode_weight_bytes": r.decode_weight_bytes,
+        "decode_tb_s": r.decode_bytes_per_s / 1e12,
+        "decode_frac_of_copy": r.decode_bytes_per_s / copy,
+        "decode_ms_pdl": r.decode_ms_pdl,
+        "decode_ms_no_pdl": r.decode_ms_no_pdl,
+        "gemv_only_ms_pdl": r.gemv_only_ms_pdl,
+        "gemv_only_ms_no_pdl": r.gemv_only_ms_no_pdl,
+        "gemv_only_tb_s": r.decode_weight_bytes as f64 / (r.gemv_only_ms_pdl.min(r.gemv_only_ms_no_pdl) * 1e-3) / 1e12,
+        "decode_ids": r.decode_ids,
+        "logits_finite": r.logits_finite,
+    });
+    if a.json {
+        println!("{obj}");
+    } else {
+        println!("{}", serde_json::to_string_pretty(&obj)?);
+    }
+    Ok(())
+}
