@@ -34,7 +34,10 @@ fn rate(weights: usize, mut f: impl FnMut()) -> f64 {
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let nums: Vec<usize> = args.iter().filter_map(|a| a.parse().ok()).collect();
-    let (k, n) = (*nums.first().unwrap_or(&4096), *nums.get(1).unwrap_or(&14336));
+    let (k, n) = (
+        *nums.first().unwrap_or(&4096),
+        *nums.get(1).unwrap_or(&14336),
+    );
     let named: Vec<Level> = available_levels()
         .into_iter()
         .filter(|l| args.iter().any(|a| a == l.name()))
@@ -78,8 +81,10 @@ fn main() {
         .into_iter()
         .filter(|cb| {
             let name = format!("{cb:?}").to_lowercase();
-            !args.iter().any(|a| ["mul1", "mcg", "inst3"].contains(&a.as_str()))
-                || args.iter().any(|a| *a == name)
+            !args
+                .iter()
+                .any(|a| ["mul1", "mcg", "inst3"].contains(&a.as_str()))
+                || args.contains(&name)
         })
         .collect();
     let dense = !args.iter().any(|a| a == "nodense");

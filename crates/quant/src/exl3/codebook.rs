@@ -46,11 +46,18 @@ pub fn mul1_value(s: u32) -> f32 {
     h * f16::from_bits(MUL1_SCALE).to_f32() + f16::from_bits(MUL1_BIAS).to_f32()
 }
 
-/// MUL1's value before rounding as `s * a + b` for the byte sum `s` (both exact in f32):
-/// `(scale, 1024 scale + bias)`.
-pub fn mul1_affine() -> (f32, f32) {
-    let scale = f16::from_bits(MUL1_SCALE).to_f32();
-    (scale, 1024.0 * scale + f16::from_bits(MUL1_BIAS).to_f32())
+/// MUL1's value before rounding is `MUL1_A * s + MUL1_B` for the byte sum `s`, exactly:
+/// `MUL1_A` is fp16 0x1EEE (1774 / 2^18) and `MUL1_B` = 1024 `MUL1_A` + fp16 0xC931.
+pub const MUL1_A: f32 = 1774.0 / 262144.0;
+pub const MUL1_B: f32 = 1024.0 * MUL1_A - 1329.0 / 128.0;
+
+#[test]
+fn mul1_affine_constants() {
+    assert_eq!(MUL1_A, f16::from_bits(MUL1_SCALE).to_f32());
+    assert_eq!(MUL1_B, 1024.0 * MUL1_A + f16::from_bits(MUL1_BIAS).to_f32());
+    for s in 0..=1020 {
+        assert_eq!(mul1_value(s), MUL1_A * s as f32 + MUL1_B);
+    }
 }
 
 /// The codebook's fp16 value for a 16-bit state.

@@ -22,6 +22,10 @@ use super::Exl3Shape;
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod q8;
+#[cfg(target_arch = "x86_64")]
+pub use q8::{matmul_inner_q8, q8_available};
 
 /// Activation rows handled per decoded tile.
 pub const MAX_ROWS: usize = 16;
@@ -61,8 +65,9 @@ impl Order {
 pub(crate) struct PairIdx {
     pub hi: [u16; 32],
     pub lo: [u16; 32],
-    pub shl: [u16; 32],
-    pub shr: [u16; 32],
+    /// `2^shift`: the state is `lo16(hi * pow) | hi16(lo * pow)` (a multiply rather than a
+    /// variable shift pair, which the compiler would guard against shift counts of 16).
+    pub pow: [u16; 32],
     /// Lanes whose `hi`/`lo` unit is in the tile's upper 64 units (bit 6 of the index).
     pub hi_sel: u32,
     pub lo_sel: u32,
@@ -111,8 +116,7 @@ fn build(rate: Bitrate) -> RateTables {
     let empty = PairIdx {
         hi: [0; 32],
         lo: [0; 32],
-        shl: [0; 32],
-        shr: [0; 32],
+        pow: [0; 32],
         hi_sel: 0,
         lo_sel: 0,
     };
@@ -129,8 +133,7 @@ fn build(rate: Bitrate) -> RateTables {
                 let lo = ((a + 1) % units) ^ 1;
                 pair.hi[lane] = hi as u16;
                 pair.lo[lane] = lo as u16;
-                pair.shl[lane] = (start % 16) as u16;
-                pair.shr[lane] = 16 - (start % 16) as u16;
+                pair.pow[lane] = 1 << (start % 16);
                 pair.hi_sel |= ((hi >> 6) as u32 & 1) << lane;
                 pair.lo_sel |= ((lo >> 6) as u32 & 1) << lane;
             }

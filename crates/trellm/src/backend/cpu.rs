@@ -4,10 +4,34 @@ use rayon::prelude::*;
 
 use trellm_quant::ggml::dot::{best_level, Level};
 
+use crate::model::config::Activation;
 use crate::model::weights::{Exl3Matrix, LinearWeight, Matrix};
 
 /// Rows per parallel task: large enough to amortize scheduling, small enough to balance.
 const ROWS_PER_TASK: usize = 16;
+
+static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+static POOL: std::sync::OnceLock<rayon::ThreadPool> = std::sync::OnceLock::new();
+
+/// Sets the worker threads of [`pool`] (before its first use; later calls have no effect).
+pub fn set_threads(n: usize) {
+    let _ = THREADS.set(n.max(1));
+}
+
+/// The thread pool every forward pass runs on: `set_threads` workers, else one per core.
+pub fn pool() -> &'static rayon::ThreadPool {
+    POOL.get_or_init(|| {
+        let n = THREADS
+            .get()
+            .copied()
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .thread_name(|i| format!("trellm-cpu-{i}"))
+            .build()
+            .expect("cannot start the CPU worker threads")
+    })
+}
 
 /// f32 dot product on the widest vector unit this CPU has.
 #[inline]
@@ -212,19 +236,73 @@ pub fn rms_norm_chunks(x: &mut [f32], w: &[f32], eps: f32) {
     }
 }
 
-#[inline]
+#[inline(always)]
 pub fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
+    x / (1.0 + exp_poly(-x))
 }
 
 /// GELU, tanh approximation.
-#[inline]
+#[inline(always)]
 pub fn gelu_tanh(x: f32) -> f32 {
     const SQRT_2_OVER_PI: f32 = 0.797_884_6;
     // 0.5·x·(1 + tanh(y)) = x / (1 + e^(-2y)): the same value without tanh's cost or the
     // cancellation of 1 + tanh(y) for negative y.
     let y = SQRT_2_OVER_PI * (x + 0.044715 * x * x * x);
-    x / (1.0 + (-2.0 * y).exp())
+    x / (1.0 + exp_poly(-2.0 * y))
+}
+
+/// e^x to about one ulp, branch-free so that loops over it vectorize: 2^(x·log2 e) split into an
+/// integer power (exponent bits) and a degree-6 polynomial on the fraction. Inputs are clamped to
+/// the finite range of f32 results.
+#[inline(always)]
+fn exp_poly(x: f32) -> f32 {
+    let x = x.clamp(-87.0, 88.0) * std::f32::consts::LOG2_E;
+    let i = (x + 0.5).floor();
+    let f = x - i;
+    let mut p = 1.535_336_2e-4f32;
+    p = p * f + 1.339_887_4e-3;
+    p = p * f + 9.618_437e-3;
+    p = p * f + 5.550_332_5e-2;
+    p = p * f + 2.402_264_8e-1;
+    p = p * f + 6.931_472e-1;
+    p = p * f + 1.0;
+    p * f32::from_bits(((i as i32 + 127) << 23) as u32)
+}
+
+/// `gate = act(gate) * up` (gated MLPs) over whole rows, vectorized.
+pub fn gated_activation(act: Activation, gate: &mut [f32], up: &[f32]) {
+    #[inline(always)]
+    fn run(act: Activation, gate: &mut [f32], up: &[f32]) {
+        match act {
+            Activation::Silu => gate.iter_mut().zip(up).for_each(|(g, u)| *g = silu(*g) * u),
+            Activation::GeluTanh => gate
+                .iter_mut()
+                .zip(up)
+                .for_each(|(g, u)| *g = gelu_tanh(*g) * u),
+            Activation::Gelu => gate.iter_mut().zip(up).for_each(|(g, u)| *g = gelu(*g) * u),
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    unsafe fn run_avx512(act: Activation, gate: &mut [f32], up: &[f32]) {
+        run(act, gate, up)
+    }
+    #[cfg(target_arch = "x86_64")]
+    if best_level() == Level::Avx512 {
+        // SAFETY: the level was detected on this CPU.
+        return unsafe { run_avx512(act, gate, up) };
+    }
+    run(act, gate, up)
+}
+
+/// `out = act(x)` (plain MLPs).
+pub fn activation(act: Activation, x: &[f32], out: &mut [f32]) {
+    let f = match act {
+        Activation::Silu => silu,
+        Activation::GeluTanh => gelu_tanh,
+        Activation::Gelu => gelu,
+    };
+    out.iter_mut().zip(x).for_each(|(o, v)| *o = f(*v));
 }
 
 /// In-place softmax.

@@ -99,7 +99,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             }
         }
     }
-    let threads = rayon::current_num_threads();
+    let threads = crate::backend::cpu::pool().current_num_threads();
     let pp_tok_s = (!pp.is_empty()).then(|| median(pp));
     let tg_tok_s = (!tg.is_empty()).then(|| median(tg));
     if a.json {

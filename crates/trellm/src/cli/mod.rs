@@ -58,10 +58,7 @@ impl ModelArgs {
             if n == 0 {
                 bail!("--threads must be at least 1");
             }
-            rayon::ThreadPoolBuilder::new()
-                .num_threads(n)
-                .build_global()
-                .ok();
+            crate::backend::cpu::set_threads(n);
         }
         let path = trellm_hub::resolve_model(&self.model, true)?;
         load(&path)

@@ -6,7 +6,7 @@
 
 use rayon::prelude::*;
 
-use super::config::{Activation, Mlp, ModelConfig, Norm, QkNorm};
+use super::config::{Mlp, ModelConfig, Norm, QkNorm};
 use super::weights::{Linear, NormWeights, Weights};
 use crate::backend::cpu;
 
@@ -57,6 +57,11 @@ impl KvCache {
     }
 }
 
+/// New queries per row from which prefill attention runs as matrix products.
+const ATTN_GEMM_MIN_QUERIES: usize = 16;
+/// Queries per attention task in prefill.
+const ATTN_QUERY_TILE: usize = 64;
+
 /// Which positions of a forward pass need logits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Logits {
@@ -105,6 +110,12 @@ impl Decoder {
     /// `cache.len()..` of each row; returns logits row by row (every position, or each row's
     /// last).
     pub fn forward_batch(&self, tokens: &[u32], cache: &mut KvCache, want: Logits) -> Vec<f32> {
+        // On a pool thread, the many small parallel ops of a decode step are handed to the other
+        // workers directly instead of each being injected from outside and waited for.
+        cpu::pool().install(|| self.forward_batch_on_pool(tokens, cache, want))
+    }
+
+    fn forward_batch_on_pool(&self, tokens: &[u32], cache: &mut KvCache, want: Logits) -> Vec<f32> {
         let cfg = &self.cfg;
         let rows = cache.rows();
         assert!(
@@ -135,11 +146,6 @@ impl Decoder {
         let mut proj = vec![0.0f32; m * h];
         let mut gate = vec![0.0f32; m * cfg.intermediate];
         let mut up = vec![0.0f32; m * cfg.intermediate];
-        let act = match cfg.activation {
-            Activation::Silu => cpu::silu,
-            Activation::GeluTanh => cpu::gelu_tanh,
-            Activation::Gelu => cpu::gelu,
-        };
         // Adds a layer's output to the residual stream (after its post-norm, if any).
         let residual = |x: &mut [f32], out: &mut [f32], post: &Option<NormWeights>| {
             if let Some(w) = post {
@@ -229,9 +235,9 @@ impl Decoder {
             match (cfg.mlp, &lw.gate) {
                 (Mlp::Gated, Some(g)) => {
                     linear(&xn, m, g, &mut gate);
-                    gate.iter_mut().zip(&up).for_each(|(g, u)| *g = act(*g) * u);
+                    cpu::gated_activation(cfg.activation, &mut gate, &up);
                 }
-                _ => gate.iter_mut().zip(&up).for_each(|(g, u)| *g = act(*u)),
+                _ => cpu::activation(cfg.activation, &up, &mut gate),
             }
             linear(&gate, m, &lw.down, &mut proj);
             residual(&mut x, &mut proj, &lw.post_ffn_norm);
@@ -277,6 +283,9 @@ impl Decoder {
         let hd = cfg.head_dim;
         let group = cfg.n_heads / cfg.n_kv_heads;
         let kv_dim = cfg.n_kv_heads * hd;
+        if out.len() / (cfg.n_heads * hd) >= ATTN_GEMM_MIN_QUERIES {
+            return self.attention_gemm(q, keys, values, start, pad, window, out);
+        }
         out.par_chunks_mut(hd)
             .enumerate()
             .for_each_init(Vec::new, |scores, (i, o)| {
@@ -305,5 +314,118 @@ impl Decoder {
                     cpu::axpy(p, &values[j * kv_dim + kvh * hd..][..hd], o);
                 }
             });
+    }
+
+    /// Prefill attention as two matrix products per head and tile of queries (scores = Q·Kᵀ,
+    /// out = softmax(scores)·V) by the `gemm` crate, reading Q, K and V in place through strides.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_gemm(
+        &self,
+        q: &[f32],
+        keys: &[f32],
+        values: &[f32],
+        start: usize,
+        pad: usize,
+        window: Option<usize>,
+        out: &mut [f32],
+    ) {
+        let cfg = &self.cfg;
+        let hd = cfg.head_dim;
+        let group = cfg.n_heads / cfg.n_kv_heads;
+        let kv_dim = cfg.n_kv_heads * hd;
+        let q_dim = cfg.n_heads * hd;
+        let n = out.len() / q_dim;
+        let tiles = n.div_ceil(ATTN_QUERY_TILE);
+        let lo_of = |pos: usize| window.map_or(0, |w| (pos + 1).saturating_sub(w)).max(pad);
+        let results: Vec<(usize, usize, Vec<f32>)> = (0..cfg.n_heads * tiles)
+            .into_par_iter()
+            .map(|task| {
+                let (head, tile) = (task / tiles, task % tiles);
+                let kvh = head / group;
+                let t0 = tile * ATTN_QUERY_TILE;
+                let nt = ATTN_QUERY_TILE.min(n - t0);
+                // Keys any query of the tile may see.
+                let j1 = start + t0 + nt;
+                let j0 = lo_of(start + t0).min(j1);
+                let nj = j1 - j0;
+                if nj == 0 {
+                    // Every query of the tile is padding.
+                    return (head, t0, vec![0.0f32; nt * hd]);
+                }
+                let mut scores = vec![0.0f32; nt * nj];
+                // SAFETY: the strides address q rows t0.. (head slice), key rows j0..j1 (kv head
+                // slice) and the nt x nj scores buffer, all in bounds.
+                unsafe {
+                    gemm::gemm(
+                        nt,
+                        nj,
+                        hd,
+                        scores.as_mut_ptr(),
+                        1,
+                        nj as isize,
+                        false,
+                        q.as_ptr().add(t0 * q_dim + head * hd),
+                        1,
+                        q_dim as isize,
+                        keys.as_ptr().add(j0 * kv_dim + kvh * hd),
+                        kv_dim as isize,
+                        1,
+                        0.0,
+                        cfg.attn_scale,
+                        false,
+                        false,
+                        false,
+                        gemm::Parallelism::None,
+                    );
+                }
+                for (t, row) in scores.chunks_mut(nj).enumerate() {
+                    let pos = start + t0 + t;
+                    let (lo, hi) = (lo_of(pos), pos + 1);
+                    if lo >= hi {
+                        // A padding query: nothing to attend to, and nobody reads its output.
+                        row.fill(0.0);
+                        continue;
+                    }
+                    let live = &mut row[lo - j0..hi - j0];
+                    if let Some(cap) = cfg.attn_softcap {
+                        live.iter_mut().for_each(|s| *s = cpu::softcap(*s, cap));
+                    }
+                    cpu::softmax(live);
+                    row[..lo - j0].fill(0.0);
+                    row[hi - j0..].fill(0.0);
+                }
+                let mut o = vec![0.0f32; nt * hd];
+                // SAFETY: scores is nt x nj, value rows j0..j1 of the kv head, o is nt x hd.
+                unsafe {
+                    gemm::gemm(
+                        nt,
+                        hd,
+                        nj,
+                        o.as_mut_ptr(),
+                        1,
+                        hd as isize,
+                        false,
+                        scores.as_ptr(),
+                        1,
+                        nj as isize,
+                        values.as_ptr().add(j0 * kv_dim + kvh * hd),
+                        1,
+                        kv_dim as isize,
+                        0.0,
+                        1.0,
+                        false,
+                        false,
+                        false,
+                        gemm::Parallelism::None,
+                    );
+                }
+                (head, t0, o)
+            })
+            .collect();
+        for (head, t0, o) in results {
+            for (t, row) in o.chunks(hd).enumerate() {
+                out[(t0 + t) * q_dim + head * hd..][..hd].copy_from_slice(row);
+            }
+        }
     }
 }

@@ -7,7 +7,7 @@
 use core::arch::x86_64::*;
 
 use super::{state_destinations, Order};
-use crate::exl3::codebook::{self, Codebook, INST3_ADD, INST3_MUL, MCG_MUL, MUL1_MUL};
+use crate::exl3::codebook::{Codebook, INST3_ADD, INST3_MUL, MCG_MUL, MUL1_A, MUL1_B, MUL1_MUL};
 use crate::exl3::trellis::Bitrate;
 use crate::exl3::Exl3Shape;
 
@@ -81,8 +81,10 @@ unsafe fn values<const CB: u8>(x: __m256i) -> [__m256; 2] {
             _mm256_maddubs_epi16(hi, ones),
         );
         let magic = c16(0x4B00);
-        let (scale, c) = codebook::mul1_affine();
-        let (scale, c) = (_mm256_set1_ps(scale), _mm256_set1_ps(c - 8388608.0 * scale));
+        let (scale, c) = (
+            _mm256_set1_ps(MUL1_A),
+            _mm256_set1_ps(MUL1_B - 8388608.0 * MUL1_A),
+        );
         let f0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(s, magic));
         let f1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(s, magic));
         [

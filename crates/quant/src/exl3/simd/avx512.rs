@@ -8,7 +8,7 @@
 use core::arch::x86_64::*;
 
 use super::{tables, Order, PairIdx, RateTables};
-use crate::exl3::codebook::{Codebook, INST3_ADD, INST3_MUL, MCG_MUL, MUL1_MUL};
+use crate::exl3::codebook::{Codebook, INST3_ADD, INST3_MUL, MCG_MUL, MUL1_A, MUL1_B, MUL1_MUL};
 use crate::exl3::trellis::Bitrate;
 use crate::exl3::Exl3Shape;
 
@@ -46,10 +46,8 @@ unsafe fn states<const BIG: bool>(r: &[__m512i; 4], p: &PairIdx) -> __m512i {
         h = _mm512_mask_blend_epi16(p.hi_sel, h, _mm512_permutex2var_epi16(r[2], ih, r[3]));
         l = _mm512_mask_blend_epi16(p.lo_sel, l, _mm512_permutex2var_epi16(r[2], il, r[3]));
     }
-    _mm512_or_si512(
-        _mm512_sllv_epi16(h, ld(&p.shl)),
-        _mm512_srlv_epi16(l, ld(&p.shr)),
-    )
+    let pow = ld(&p.pow);
+    _mm512_or_si512(_mm512_mullo_epi16(h, pow), _mm512_mulhi_epu16(l, pow))
 }
 
 #[inline(always)]
@@ -96,8 +94,10 @@ unsafe fn values<const CB: u8>(x: __m512i) -> [__m512; 2] {
         // 0x4B00_0000 | s is the f32 2^23 + s; `fma(2^23 + s, scale, c)` with
         // c = 1024 scale + bias - 2^23 scale is the exact `(1024 + s) scale + bias`.
         let magic = c16(0x4B00);
-        let (scale, c) = super::super::codebook::mul1_affine();
-        let (scale, c) = (_mm512_set1_ps(scale), _mm512_set1_ps(c - 8388608.0 * scale));
+        let (scale, c) = (
+            _mm512_set1_ps(MUL1_A),
+            _mm512_set1_ps(MUL1_B - 8388608.0 * MUL1_A),
+        );
         let f0 = _mm512_castsi512_ps(_mm512_unpacklo_epi16(s, magic));
         let f1 = _mm512_castsi512_ps(_mm512_unpackhi_epi16(s, magic));
         [
@@ -196,7 +196,7 @@ unsafe fn kernel<const CB: u8, const BIG: bool, const M: usize, const S: usize>(
             for rp in 0..8 {
                 let w = values::<CB>(states::<BIG>(&r, &pairs[rp]));
                 for h in 0..2 {
-                    let a = (2 * rp + h) % S;
+                    let a = h % S;
                     for m in 0..M {
                         let xv = _mm512_set1_ps(*xk.add(m * j.k + 2 * rp + h));
                         acc[m][a] = _mm512_fmadd_ps(xv, w[h], acc[m][a]);
@@ -223,9 +223,9 @@ unsafe fn run<const CB: u8, const BIG: bool>(j: &Job, t: &RateTables, rows: usiz
         Order::Linear
     });
     match rows {
-        1 => kernel::<CB, BIG, 1, 4>(j, t, p),
+        1 => kernel::<CB, BIG, 1, 2>(j, t, p),
         2 => kernel::<CB, BIG, 2, 2>(j, t, p),
-        3 => kernel::<CB, BIG, 3, 2>(j, t, p),
+        3 => kernel::<CB, BIG, 3, 1>(j, t, p),
         4 => kernel::<CB, BIG, 4, 1>(j, t, p),
         5 => kernel::<CB, BIG, 5, 1>(j, t, p),
         6 => kernel::<CB, BIG, 6, 1>(j, t, p),
