@@ -3,6 +3,14 @@ use std::process::ExitCode;
 use clap::Parser;
 
 fn main() -> ExitCode {
+    // glibc gives each worker thread its own heap arena, and the large buffers one thread frees
+    // stay resident in its arena while another thread allocates anew elsewhere: with one arena,
+    // prefill's temporaries are reused and peak memory stays near weights + KV cache.
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only changes allocator tuning; called before any thread starts.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 1);
+    }
     let cli = match trellm::cli::Cli::try_parse() {
         Ok(c) => c,
         Err(e) => {

@@ -60,7 +60,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         "cuda" => return super::bench_cuda::run(&a),
         other => bail!("unknown --device '{other}' (cpu, cuda)"),
     }
-    let m = a.model.load()?;
+    let m = a.model.load_with(false)?;
     let dec = &m.decoder;
     let cfg = &dec.cfg;
     if a.n_prompt + a.n_gen > cfg.max_context {

@@ -11,7 +11,7 @@ use anyhow::{bail, Result};
 use clap::{Args, Parser, Subcommand};
 
 use crate::engine::SamplerParams;
-use crate::model::load::{load, LoadedModel};
+use crate::model::load::{load_with, LoadedModel};
 
 pub const DEFAULT_MODEL: &str = "smollm2-135m-instruct";
 
@@ -54,6 +54,11 @@ pub struct ModelArgs {
 
 impl ModelArgs {
     pub fn load(&self) -> Result<LoadedModel> {
+        self.load_with(true)
+    }
+
+    /// Loads the model, with or without its tokenizer.
+    pub fn load_with(&self, tokenizer: bool) -> Result<LoadedModel> {
         if let Some(n) = self.threads {
             if n == 0 {
                 bail!("--threads must be at least 1");
@@ -61,7 +66,7 @@ impl ModelArgs {
             crate::backend::cpu::set_threads(n);
         }
         let path = trellm_hub::resolve_model(&self.model, true)?;
-        load(&path)
+        load_with(&path, tokenizer)
     }
 }
 

@@ -21,12 +21,18 @@ pub struct LoadedModel {
 }
 
 pub fn load(path: &Path) -> Result<LoadedModel> {
+    load_with(path, true)
+}
+
+/// [`load`], optionally skipping the tokenizer (benchmarks need none, and a large vocabulary's
+/// tables would count against their peak memory).
+pub fn load_with(path: &Path, tokenizer: bool) -> Result<LoadedModel> {
     if !path.exists() {
         bail!("no such model file or folder: {}", path.display());
     }
     if path.is_dir() {
         if path.join("config.json").exists() {
-            return load_hf(path);
+            return load_hf(path, tokenizer);
         }
         let ggufs: Vec<PathBuf> = std::fs::read_dir(path)
             .with_context(|| format!("cannot read {}", path.display()))?
@@ -34,18 +40,23 @@ pub fn load(path: &Path) -> Result<LoadedModel> {
             .filter(|p| p.extension().is_some_and(|e| e == "gguf"))
             .collect();
         return match ggufs.as_slice() {
-            [one] => load_gguf(one),
+            [one] => load_gguf(one, tokenizer),
             [] => bail!("{}: neither a config.json nor a .gguf file", path.display()),
             _ => bail!("{}: holds several .gguf files; name one", path.display()),
         };
     }
-    load_gguf(path)
+    load_gguf(path, tokenizer)
 }
 
-fn load_gguf(path: &Path) -> Result<LoadedModel> {
+const SKIPPED: &str = "not loaded";
+
+fn load_gguf(path: &Path, with_tokenizer: bool) -> Result<LoadedModel> {
     let g = Gguf::open(path)?;
     let cfg = ModelConfig::from_gguf(&g).with_context(|| path.display().to_string())?;
-    let tokenizer = Tokenizer::from_gguf(&g).map_err(|e| e.to_string());
+    let tokenizer = match with_tokenizer {
+        true => Tokenizer::from_gguf(&g).map_err(|e| e.to_string()),
+        false => Err(SKIPPED.to_string()),
+    };
     let src = TensorSource::Gguf(g);
     let weights = Weights::load(&src, &cfg).with_context(|| path.display().to_string())?;
     let weight_bytes = match &src {
@@ -60,7 +71,7 @@ fn load_gguf(path: &Path) -> Result<LoadedModel> {
     })
 }
 
-fn load_hf(dir: &Path) -> Result<LoadedModel> {
+fn load_hf(dir: &Path, with_tokenizer: bool) -> Result<LoadedModel> {
     let config = trellm_formats::hf::read_config(dir)?;
     let generation = trellm_formats::hf::read_json(&dir.join("generation_config.json"))?;
     let cfg = ModelConfig::from_hf(&config, generation.as_ref())
@@ -69,7 +80,9 @@ fn load_hf(dir: &Path) -> Result<LoadedModel> {
     let weight_bytes = st.shards.iter().map(|(_, m)| m.len()).sum();
     let src = TensorSource::SafeTensors(st);
     let weights = Weights::load(&src, &cfg).with_context(|| dir.display().to_string())?;
-    let tokenizer = if dir.join("tokenizer.json").exists() {
+    let tokenizer = if !with_tokenizer {
+        Err(SKIPPED.to_string())
+    } else if dir.join("tokenizer.json").exists() {
         Tokenizer::from_hf_dir(dir).map_err(|e| e.to_string())
     } else {
         Err("the folder has no tokenizer.json".to_string())
