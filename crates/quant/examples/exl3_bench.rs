@@ -11,7 +11,7 @@
 use std::time::Instant;
 
 use trellm_quant::exl3::simd::{available_levels, matmul_inner_with, Level};
-use trellm_quant::exl3::{Bitrate, Codebook, Exl3Shape};
+use trellm_quant::exl3::{self, Bitrate, Codebook, Exl3Shape};
 use trellm_quant::{dot_block, GgmlType};
 
 const ROWS: [usize; 3] = [1, 4, 16];
@@ -136,6 +136,36 @@ fn main() {
                     .collect();
                 print(level.name(), &format!("{cb:?}"), &bits.to_string(), &r);
                 std::hint::black_box(&trellis);
+            }
+            if cb == Codebook::Mul1 && exl3::simd::q8_available() {
+                // The approximate int8-activation path, and its error against the exact one:
+                // RMS over all outputs of 16 rows, relative to the outputs' RMS.
+                let r: Vec<f64> = ROWS
+                    .iter()
+                    .zip(&xs)
+                    .map(|(&m, x)| {
+                        let mut y = vec![0.0f32; m * n];
+                        rate(k * n, || {
+                            exl3::simd::matmul_inner_q8(&shape, &trellis, x, m, 0, n / 16, &mut y)
+                        })
+                    })
+                    .collect();
+                let (x, m) = (&xs[2], 16);
+                let (mut a, mut b) = (vec![0.0f32; m * n], vec![0.0f32; m * n]);
+                exl3::matmul_inner(&shape, &trellis, x, m, 0, n / 16, &mut a);
+                exl3::simd::matmul_inner_q8(&shape, &trellis, x, m, 0, n / 16, &mut b);
+                let e2: f64 = a
+                    .iter()
+                    .zip(&b)
+                    .map(|(p, q)| ((p - q) as f64).powi(2))
+                    .sum();
+                let y2: f64 = a.iter().map(|p| (*p as f64).powi(2)).sum();
+                print("q8-vnni", &format!("{cb:?}"), &bits.to_string(), &r);
+                println!(
+                    "{:>18} rel. RMS error vs exact: {:.2e}",
+                    "",
+                    (e2 / y2).sqrt()
+                );
             }
         }
     }

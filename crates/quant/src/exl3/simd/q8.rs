@@ -46,10 +46,7 @@ unsafe fn products<const BIG: bool>(r: &[__m512i; 4], p: &PairIdx) -> [__m512i; 
     let mh = _mm512_set1_epi16((MUL1_MUL >> 16) as u16 as i16);
     let lo = _mm512_mullo_epi16(x, ml);
     let hi = _mm512_add_epi16(_mm512_mulhi_epu16(x, ml), _mm512_mullo_epi16(x, mh));
-    [
-        _mm512_unpacklo_epi16(lo, hi),
-        _mm512_unpackhi_epi16(lo, hi),
-    ]
+    [_mm512_unpacklo_epi16(lo, hi), _mm512_unpackhi_epi16(lo, hi)]
 }
 
 struct Job {
@@ -61,7 +58,7 @@ struct Job {
     xq: *const u32,
     /// `[rows][tiles_k]` their scales.
     sc: *const f32,
-    /// `[rows]` the exact f32 sums of the activations.
+    /// `[rows]` the sums of the dequantized activations.
     sum: *const f32,
     tn0: usize,
     tn1: usize,
@@ -168,16 +165,20 @@ pub fn matmul_inner_q8(
     let mut sum = vec![0.0f32; m];
     for t in 0..m {
         let row = &xh[t * k..(t + 1) * k];
-        sum[t] = row.iter().sum();
         for (tk, blk) in row.chunks_exact(16).enumerate() {
             let amax = blk.iter().fold(0.0f32, |a, v| a.max(v.abs()));
             let s = amax / 127.0;
             sc[t * tiles_k + tk] = s;
             let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
+            let mut qs = 0i32;
             for (i, v) in blk.iter().enumerate() {
-                let q = (v * inv).round() as i8 as u8 as u32;
-                xq[t * k + 16 * tk + i] = q * 0x0101_0101;
+                let q = (v * inv).round() as i8;
+                qs += q as i32;
+                xq[t * k + 16 * tk + i] = q as u8 as u32 * 0x0101_0101;
             }
+            // The bias term uses the same quantized activations as the byte sums, so that
+            // `A s + B` (s ~ 510, A s ~ -B) cancels as it does in the exact product.
+            sum[t] += qs as f32 * s;
         }
     }
     let t = tables(shape.rate);
