@@ -8,7 +8,13 @@
 //! (partial + combine), o projection, residual add fused with the next norm, gate/up projection
 //! with the activation fused in (decode), down projection, residual add + next norm. Decode runs
 //! our GEMV and is captured once as a CUDA graph that reads the token and position from device
-//! memory, so one replay is one token with no host round trip; prefill runs cuBLAS GEMMs.
+//! memory, so one replay is one token with no host round trip; prefill runs cuBLAS GEMMs,
+//! attention included: per chunk of query tokens, S = Q K^T and O = P V are strided-batched GEMMs
+//! over kv heads (the group's query rows stacked, so GQA shares K/V), with a masking/soft-capping
+//! softmax kernel between (`TRELLM_CUDA_ATTN_GEMM=0`: the CUDA-core flash kernel instead).
+//! Optional decode fusions (off by default, see `Tuning`): rope into the qkv GEMV, the
+//! attention's split merge into its last block, the residual add + next norm into the o/down
+//! GEMVs' last block.
 
 use std::sync::Arc;
 
@@ -393,9 +399,57 @@ impl DenseWeights {
     }
 }
 
-/// Key positions per attention split in decode (one 32-key tile per block).
+/// Key positions per attention split in decode (one 32-key tile per block; a multiple of 32,
+/// `TRELLM_CUDA_DECODE_CHUNK` overrides).
 const DECODE_CHUNK: usize = 32;
+/// Query rows per attention block (`ATT_ROWS` in attention.cu).
+const ATT_ROWS: usize = 4;
+
+/// Kernel choices that can be switched for measurement. The decode fusions are off by default:
+/// on the H200 (Llama-3.1-8B shape, ctx 512) the last-block-done combine cost +0.28 ms a token and
+/// the fused residual +1.1 ms (one SM runs the serial tail while the rest of the chip idles);
+/// the qkv+rope GEMV was within noise (scripts/gpu/NOTES.md, run 5). `TRELLM_CUDA_FUSE_ROPE=1`,
+/// `TRELLM_CUDA_FUSE_COMBINE=1`, `TRELLM_CUDA_FUSE_RESIDUAL=1` turn them on.
+#[derive(Debug, Clone, Copy)]
+struct Tuning {
+    /// RoPE and the cache write in the qkv GEMV's epilogue (no q/k norms).
+    fuse_rope: bool,
+    /// The split merge in the attention kernel's last block.
+    fuse_combine: bool,
+    /// The residual add and next norm in the o/down GEMV's epilogue and last block.
+    fuse_residual: bool,
+    /// Prefill's gate/up GEMM writes bf16 instead of f32 (`TRELLM_CUDA_GU_BF16=1`).
+    gu_bf16: bool,
+    /// Elements of the GEMM attention's score buffer (`TRELLM_CUDA_ATTN_BUDGET`: log2).
+    attn_budget: usize,
+    decode_chunk: usize,
+}
+
+impl Tuning {
+    fn from_env() -> Tuning {
+        let on = |k: &str| std::env::var(k).as_deref() == Ok("1");
+        let decode_chunk = std::env::var("TRELLM_CUDA_DECODE_CHUNK")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|&c| c >= 32 && c.is_multiple_of(32))
+            .unwrap_or(DECODE_CHUNK);
+        Tuning {
+            fuse_rope: on("TRELLM_CUDA_FUSE_ROPE"),
+            fuse_combine: on("TRELLM_CUDA_FUSE_COMBINE"),
+            fuse_residual: on("TRELLM_CUDA_FUSE_RESIDUAL"),
+            gu_bf16: on("TRELLM_CUDA_GU_BF16"),
+            attn_budget: std::env::var("TRELLM_CUDA_ATTN_BUDGET")
+                .ok()
+                .and_then(|v| v.parse::<u32>().ok())
+                .filter(|&b| (6..=30).contains(&b))
+                .map_or(ATTN_SCORE_BUDGET, |b| 1 << b),
+            decode_chunk,
+        }
+    }
+}
 const ARGMAX_BLOCKS: usize = 128;
+/// Elements of the prefill attention's score buffer (f32; the bf16 probabilities match it).
+const ATTN_SCORE_BUDGET: usize = 1 << 25;
 
 struct Funcs {
     embed: CudaFunction,
@@ -407,7 +461,11 @@ struct Funcs {
     rope: CudaFunction,
     attn_partial: CudaFunction,
     attn_combine: CudaFunction,
+    attn_softmax: CudaFunction,
+    attn_unstack: CudaFunction,
     gemv_f32: CudaFunction,
+    gemv_qkv_rope: CudaFunction,
+    gemv_residual: CudaFunction,
     gemv_glu: CudaFunction,
     gemv_act: CudaFunction,
 }
@@ -435,6 +493,17 @@ struct Buffers {
     count: CudaSlice<i32>,
     k_cache: Vec<CudaSlice<u16>>,
     v_cache: Vec<CudaSlice<u16>>,
+    /// Prefill attention on tensor cores: q (bf16) and the output stacked per kv head
+    /// (`[kv head][t * group + j][head_dim]`), scores (f32) and probabilities (bf16) of one chunk
+    /// of query rows.
+    q_stacked: CudaSlice<u16>,
+    o_stacked: CudaSlice<u16>,
+    scores: CudaSlice<f32>,
+    probs: CudaSlice<u16>,
+    /// Decode attention's last-split-done counters (zero between launches).
+    attn_counters: CudaSlice<i32>,
+    /// The residual GEMVs' last-block counters (o, down).
+    res_counters: CudaSlice<i32>,
 }
 
 /// A model on the GPU with its KV cache (one sequence).
@@ -450,6 +519,11 @@ pub struct DenseModel {
     b: Buffers,
     len: usize,
     graph: Option<CudaGraph>,
+    /// Prefill attention as cuBLAS GEMMs (`TRELLM_CUDA_ATTN_GEMM=0`: the CUDA-core kernel).
+    attn_gemm: bool,
+    /// Query tokens per chunk of the GEMM attention (bounds the score buffer).
+    attn_rows: usize,
+    tuning: Tuning,
 }
 
 /// Where a forward pass takes its inputs.
@@ -460,6 +534,8 @@ struct Inputs {
     pos: u64,
     /// Decode: GEMV, many attention splits, and the argmax advances the position.
     decode: bool,
+    /// Keys in the cache once these rows are written (positions are `kv_len - m..kv_len`).
+    kv_len: usize,
 }
 
 impl DenseModel {
@@ -491,15 +567,23 @@ impl DenseModel {
             rope: gpu.function(&kernels::ROPE, &[], "qkv_rope")?,
             attn_partial: gpu.function(&kernels::ATTENTION, &hd, "attn_partial")?,
             attn_combine: gpu.function(&kernels::ATTENTION, &hd, "attn_combine")?,
+            attn_softmax: gpu.function(&kernels::ATTENTION, &hd, "attn_softmax")?,
+            attn_unstack: gpu.function(&kernels::ATTENTION, &hd, "attn_unstack")?,
             gemv_f32: g("gemv_f32")?,
+            gemv_qkv_rope: g("gemv_qkv_rope")?,
+            gemv_residual: g("gemv_residual")?,
             gemv_glu: g("gemv_glu")?,
             gemv_act: g("gemv_act")?,
         };
         let t = max_prefill;
         let h = cfg.hidden;
-        let splits = max_context.div_ceil(DECODE_CHUNK);
+        let tuning = Tuning::from_env();
+        let splits = max_context.div_ceil(tuning.decode_chunk);
         let part_rows = (t * cfg.n_heads).max(cfg.n_heads * splits);
         let kv = max_context * cfg.kv_dim();
+        let group = cfg.n_heads / cfg.n_kv_heads;
+        let attn_rows = (tuning.attn_budget / (cfg.n_heads * max_context)).clamp(1, t);
+        let score_elems = cfg.n_heads * attn_rows * (max_context + 8);
         let b = Buffers {
             x: gpu.alloc(t * h)?,
             xn: gpu.alloc(t * h)?,
@@ -525,6 +609,12 @@ impl DenseModel {
             v_cache: (0..cfg.n_layers())
                 .map(|_| gpu.alloc(kv))
                 .collect::<Result<_>>()?,
+            q_stacked: gpu.alloc(t * cfg.q_dim())?,
+            o_stacked: gpu.alloc(t * cfg.q_dim())?,
+            scores: gpu.alloc(score_elems)?,
+            probs: gpu.alloc(score_elems)?,
+            attn_counters: gpu.alloc(cfg.n_kv_heads * group.div_ceil(ATT_ROWS))?,
+            res_counters: gpu.alloc(2)?,
         };
         Ok(DenseModel {
             gpu,
@@ -536,6 +626,9 @@ impl DenseModel {
             b,
             len: 0,
             graph: None,
+            attn_gemm: std::env::var("TRELLM_CUDA_ATTN_GEMM").as_deref() != Ok("0"),
+            attn_rows,
+            tuning,
         })
     }
 
@@ -577,6 +670,7 @@ impl DenseModel {
                 tokens: g.ptr(&self.b.tokens),
                 pos: g.ptr(&self.b.pos),
                 decode: false,
+                kv_len: self.len + n,
             };
             self.enqueue(inp)?;
             self.len += n;
@@ -625,6 +719,7 @@ impl DenseModel {
             tokens: g.ptr(&self.b.tok),
             pos: g.ptr(&self.b.dpos),
             decode: true,
+            kv_len: 0,
         };
         g.sync()?;
         g.stream
@@ -734,7 +829,7 @@ impl DenseModel {
         let (g, c, f, b) = (&*self.gpu, &self.cfg, &self.f, &self.b);
         let m = inp.m;
         let (h, hd) = (c.hidden, c.head_dim);
-        let (qd, kvd, qkvd) = (c.q_dim(), c.kv_dim(), c.qkv_dim());
+        let (qd, qkvd) = (c.q_dim(), c.qkv_dim());
         let eps = c.norm_eps;
         let layer_norm = (c.norm == NormKind::Layer) as i32;
         let nb = (h.next_power_of_two().clamp(32, 1024)) as u32;
@@ -746,7 +841,7 @@ impl DenseModel {
                 n.as_ref().map_or(0, |n| po(&n.b)),
             )
         };
-        let (x, xn, y) = (p(&b.x), g.ptr(&b.xn), p(&b.y));
+        let (x, xn) = (p(&b.x), g.ptr(&b.xn));
 
         g.launch(
             &f.embed,
@@ -781,102 +876,93 @@ impl DenseModel {
         )?;
         let group = c.n_heads / c.n_kv_heads;
         let (chunk, splits) = if inp.decode {
-            (DECODE_CHUNK, self.max_context.div_ceil(DECODE_CHUNK))
+            let dc = self.tuning.decode_chunk;
+            (dc, self.max_context.div_ceil(dc))
         } else {
             (self.max_context, 1)
         };
         let rscale = c.residual_scale.unwrap_or(1.0);
+        let gemm_attn = m > 1 && self.attn_gemm;
         for (l, (lw, spec)) in self.w.layers.iter().zip(&c.layers).enumerate() {
-            let qkv = p(&b.qkv);
-            self.matmul(m, xn, g.ptr(&lw.qkv), qkvd, h, qkv)?;
-            if c.qk_norm == QkNormKind::Whole {
-                for (off, len, w) in [(0, qd, &lw.q_norm), (qd, kvd, &lw.k_norm)] {
+            let rope = spec.rope.as_ref();
+            let (kc, vc) = (g.ptr(&b.k_cache[l]), g.ptr(&b.v_cache[l]));
+            if m == 1 && c.qk_norm == QkNormKind::None && self.tuning.fuse_rope {
+                // One token: the qkv GEMV does the rope kernel's work in its epilogue.
+                g.launch(
+                    &f.gemv_qkv_rope,
+                    ((qkvd / 2) as u32, 1, 1),
+                    128,
+                    &[
+                        Arg::Ptr(g.ptr(&lw.qkv)),
+                        Arg::I32(h as i32),
+                        Arg::Ptr(xn),
+                        Arg::Ptr(po(&lw.qkv_bias)),
+                        Arg::Ptr(inp.pos),
+                        Arg::I32(c.n_heads as i32),
+                        Arg::I32(c.n_kv_heads as i32),
+                        Arg::I32(hd as i32),
+                        Arg::Ptr(po(&lw.inv_freq)),
+                        Arg::I32(rope.map_or(0, |r| r.dims as i32)),
+                        Arg::I32(rope.is_some_and(|r| r.interleaved) as i32),
+                        Arg::F32(rope.map_or(1.0, |r| r.position_scale)),
+                        Arg::F32(rope.map_or(1.0, |r| r.input_scale)),
+                        Arg::F32(c.attn_scale),
+                        Arg::Ptr(p(&b.q)),
+                        Arg::Ptr(kc),
+                        Arg::Ptr(vc),
+                    ],
+                )?;
+            } else {
+                self.qkv_rope(m, &inp, lw, spec, l, gemm_attn)?;
+            }
+            if gemm_attn {
+                self.attention_gemm(m, &inp, spec, kc, vc)?;
+            } else {
+                let fused = m == 1 && self.tuning.fuse_combine;
+                g.launch(
+                    &f.attn_partial,
+                    (
+                        c.n_kv_heads as u32,
+                        (m * group).div_ceil(ATT_ROWS) as u32,
+                        splits as u32,
+                    ),
+                    128,
+                    &[
+                        Arg::Ptr(p(&b.q)),
+                        Arg::Ptr(kc),
+                        Arg::Ptr(vc),
+                        Arg::Ptr(inp.pos),
+                        Arg::I32(m as i32),
+                        Arg::I32(c.n_heads as i32),
+                        Arg::I32(c.n_kv_heads as i32),
+                        Arg::I32(spec.window.unwrap_or(0) as i32),
+                        Arg::F32(c.attn_softcap.unwrap_or(0.0)),
+                        Arg::I32(chunk as i32),
+                        Arg::I32(splits as i32),
+                        Arg::Ptr(p(&b.part_acc)),
+                        Arg::Ptr(p(&b.part_ml)),
+                        Arg::Ptr(if fused { g.ptr(&b.attn) } else { 0 }),
+                        Arg::Ptr(if fused { g.ptr(&b.attn_counters) } else { 0 }),
+                    ],
+                )?;
+                if !fused {
                     g.launch(
-                        &f.norm,
-                        (m as u32, 1, 1),
-                        nb,
+                        &f.attn_combine,
+                        ((m * c.n_heads) as u32, 1, 1),
+                        hd.clamp(32, 128) as u32,
                         &[
-                            Arg::Ptr(qkv + 4 * off as u64),
-                            Arg::I32(qkvd as i32),
-                            Arg::I32(len as i32),
-                            Arg::Ptr(po(w)),
-                            Arg::Ptr(0),
-                            Arg::F32(eps),
-                            Arg::I32(0),
-                            Arg::Ptr(qkv + 4 * off as u64),
-                            Arg::Ptr(0),
-                            Arg::I32(0),
+                            Arg::Ptr(p(&b.part_acc)),
+                            Arg::Ptr(p(&b.part_ml)),
+                            Arg::I32(splits as i32),
+                            Arg::Ptr(g.ptr(&b.attn)),
                         ],
                     )?;
                 }
             }
-            let per_head = c.qk_norm == QkNormKind::PerHead;
-            let rope = spec.rope.as_ref();
-            let heads = c.n_heads + c.n_kv_heads;
-            g.launch(
-                &f.rope,
-                (m as u32, heads.div_ceil(8) as u32, 1),
-                256,
-                &[
-                    Arg::Ptr(qkv),
-                    Arg::Ptr(po(&lw.qkv_bias)),
-                    Arg::Ptr(inp.pos),
-                    Arg::I32(c.n_heads as i32),
-                    Arg::I32(c.n_kv_heads as i32),
-                    Arg::I32(hd as i32),
-                    Arg::Ptr(if per_head { po(&lw.q_norm) } else { 0 }),
-                    Arg::Ptr(if per_head { po(&lw.k_norm) } else { 0 }),
-                    Arg::F32(eps),
-                    Arg::Ptr(po(&lw.inv_freq)),
-                    Arg::I32(rope.map_or(0, |r| r.dims as i32)),
-                    Arg::I32(rope.is_some_and(|r| r.interleaved) as i32),
-                    Arg::F32(rope.map_or(1.0, |r| r.position_scale)),
-                    Arg::F32(rope.map_or(1.0, |r| r.input_scale)),
-                    Arg::F32(c.attn_scale),
-                    Arg::Ptr(p(&b.q)),
-                    Arg::Ptr(g.ptr(&b.k_cache[l])),
-                    Arg::Ptr(g.ptr(&b.v_cache[l])),
-                ],
-            )?;
-            g.launch(
-                &f.attn_partial,
-                (
-                    c.n_kv_heads as u32,
-                    (m * group).div_ceil(8) as u32,
-                    splits as u32,
-                ),
-                128,
-                &[
-                    Arg::Ptr(p(&b.q)),
-                    Arg::Ptr(g.ptr(&b.k_cache[l])),
-                    Arg::Ptr(g.ptr(&b.v_cache[l])),
-                    Arg::Ptr(inp.pos),
-                    Arg::I32(m as i32),
-                    Arg::I32(c.n_heads as i32),
-                    Arg::I32(c.n_kv_heads as i32),
-                    Arg::I32(spec.window.unwrap_or(0) as i32),
-                    Arg::F32(c.attn_softcap.unwrap_or(0.0)),
-                    Arg::I32(chunk as i32),
-                    Arg::I32(splits as i32),
-                    Arg::Ptr(p(&b.part_acc)),
-                    Arg::Ptr(p(&b.part_ml)),
-                ],
-            )?;
-            g.launch(
-                &f.attn_combine,
-                ((m * c.n_heads) as u32, 1, 1),
-                hd.clamp(32, 128) as u32,
-                &[
-                    Arg::Ptr(p(&b.part_acc)),
-                    Arg::Ptr(p(&b.part_ml)),
-                    Arg::I32(splits as i32),
-                    Arg::Ptr(g.ptr(&b.attn)),
-                ],
-            )?;
-            self.matmul(m, g.ptr(&b.attn), g.ptr(&lw.o), h, qd, y)?;
             let (pw, pb) = pn(&lw.post_attn_norm);
             let (nw, nbias) = pn(&lw.ffn_norm);
-            self.residual(m, y, po(&lw.o_bias), (pw, pb), rscale, (nw, nbias))?;
+            let o = (g.ptr(&b.attn), g.ptr(&lw.o), qd);
+            self.proj_residual(m, o, po(&lw.o_bias), (pw, pb), rscale, (nw, nbias), 0)?;
 
             let ff = c.intermediate;
             let act = g.ptr(&b.act);
@@ -902,7 +988,13 @@ impl DenseModel {
                 )?;
             } else {
                 let gu = p(&b.gu);
-                gemm_bf16_f32(g, m, c.gate_up_rows(), h, xn, g.ptr(&lw.gate_up), gu)?;
+                let bf = self.tuning.gu_bf16;
+                let out_t = if bf {
+                    bsys::cudaDataType::CUDA_R_16BF
+                } else {
+                    bsys::cudaDataType::CUDA_R_32F
+                };
+                gemm(g, m, c.gate_up_rows(), h, xn, g.ptr(&lw.gate_up), gu, out_t)?;
                 g.launch(
                     &f.act_rows,
                     (ff.div_ceil(256) as u32, m as u32, 1),
@@ -913,17 +1005,18 @@ impl DenseModel {
                         Arg::I32(ff as i32),
                         Arg::I32(c.gated as i32),
                         Arg::I32(c.activation as i32),
+                        Arg::I32(bf as i32),
                         Arg::Ptr(act),
                     ],
                 )?;
             }
-            self.matmul(m, act, g.ptr(&lw.down), h, ff, y)?;
             let (pw, pb) = pn(&lw.post_ffn_norm);
             let next = match self.w.layers.get(l + 1) {
                 Some(nl) => pn(&nl.attn_norm),
                 None => (g.ptr(&self.w.final_norm.w), po(&self.w.final_norm.b)),
             };
-            self.residual(m, y, po(&lw.down_bias), (pw, pb), rscale, next)?;
+            let down = (act, g.ptr(&lw.down), ff);
+            self.proj_residual(m, down, po(&lw.down_bias), (pw, pb), rscale, next, 1)?;
         }
 
         // Logits of the last row.
@@ -962,6 +1055,202 @@ impl DenseModel {
             ],
         )?;
         Ok(())
+    }
+
+    /// The qkv projection, q/k norms, RoPE and the cache write of `m` rows; q goes to the f32
+    /// buffer, or stacked as bf16 for the GEMM attention (`stacked`).
+    fn qkv_rope(
+        &self,
+        m: usize,
+        inp: &Inputs,
+        lw: &DevLayer,
+        spec: &LayerSpec,
+        l: usize,
+        stacked: bool,
+    ) -> Result<()> {
+        let (g, c, f, b) = (&*self.gpu, &self.cfg, &self.f, &self.b);
+        let (h, hd) = (c.hidden, c.head_dim);
+        let (qd, kvd, qkvd) = (c.q_dim(), c.kv_dim(), c.qkv_dim());
+        let eps = c.norm_eps;
+        let nb = (h.next_power_of_two().clamp(32, 1024)) as u32;
+        let po = |s: &Option<CudaSlice<f32>>| s.as_ref().map_or(0, |s| g.ptr(s));
+        let qkv = g.ptr(&b.qkv);
+        self.matmul(m, g.ptr(&b.xn), g.ptr(&lw.qkv), qkvd, h, qkv)?;
+        if c.qk_norm == QkNormKind::Whole {
+            for (off, len, w) in [(0, qd, &lw.q_norm), (qd, kvd, &lw.k_norm)] {
+                g.launch(
+                    &f.norm,
+                    (m as u32, 1, 1),
+                    nb,
+                    &[
+                        Arg::Ptr(qkv + 4 * off as u64),
+                        Arg::I32(qkvd as i32),
+                        Arg::I32(len as i32),
+                        Arg::Ptr(po(w)),
+                        Arg::Ptr(0),
+                        Arg::F32(eps),
+                        Arg::I32(0),
+                        Arg::Ptr(qkv + 4 * off as u64),
+                        Arg::Ptr(0),
+                        Arg::I32(0),
+                    ],
+                )?;
+            }
+        }
+        let per_head = c.qk_norm == QkNormKind::PerHead;
+        let rope = spec.rope.as_ref();
+        let heads = c.n_heads + c.n_kv_heads;
+        g.launch(
+            &f.rope,
+            (m as u32, heads.div_ceil(8) as u32, 1),
+            256,
+            &[
+                Arg::Ptr(qkv),
+                Arg::Ptr(po(&lw.qkv_bias)),
+                Arg::Ptr(inp.pos),
+                Arg::I32(c.n_heads as i32),
+                Arg::I32(c.n_kv_heads as i32),
+                Arg::I32(hd as i32),
+                Arg::Ptr(if per_head { po(&lw.q_norm) } else { 0 }),
+                Arg::Ptr(if per_head { po(&lw.k_norm) } else { 0 }),
+                Arg::F32(eps),
+                Arg::Ptr(po(&lw.inv_freq)),
+                Arg::I32(rope.map_or(0, |r| r.dims as i32)),
+                Arg::I32(rope.is_some_and(|r| r.interleaved) as i32),
+                Arg::F32(rope.map_or(1.0, |r| r.position_scale)),
+                Arg::F32(rope.map_or(1.0, |r| r.input_scale)),
+                Arg::F32(c.attn_scale),
+                Arg::Ptr(g.ptr(&b.q)),
+                Arg::Ptr(g.ptr(&b.k_cache[l])),
+                Arg::Ptr(g.ptr(&b.v_cache[l])),
+                Arg::Ptr(if stacked { g.ptr(&b.q_stacked) } else { 0 }),
+            ],
+        )
+    }
+
+    /// Prefill attention on tensor cores, per chunk of query tokens: S = Q K^T (f32) as one
+    /// batched GEMM over kv heads (each group's query rows stacked), the masked softmax into bf16
+    /// P, O = P V (bf16); then O is unstacked into the `[t][head][d]` attention output. A chunk
+    /// only multiplies the keys its last row can see.
+    fn attention_gemm(
+        &self,
+        m: usize,
+        inp: &Inputs,
+        spec: &LayerSpec,
+        kc: u64,
+        vc: u64,
+    ) -> Result<()> {
+        let (g, c, f, b) = (&*self.gpu, &self.cfg, &self.f, &self.b);
+        let (hd, nkv) = (c.head_dim, c.n_kv_heads);
+        let group = c.n_heads / nkv;
+        let kvd = c.kv_dim();
+        let first = inp.kv_len - m;
+        let (qs, os) = (g.ptr(&b.q_stacked), g.ptr(&b.o_stacked));
+        let (sc, pr) = (g.ptr(&b.scores), g.ptr(&b.probs));
+        let f32t = bsys::cudaDataType::CUDA_R_32F;
+        let bf16t = bsys::cudaDataType::CUDA_R_16BF;
+        let trans = bsys::cublasOperation_t::CUBLAS_OP_T;
+        let none = bsys::cublasOperation_t::CUBLAS_OP_N;
+        let mut t0 = 0;
+        while t0 < m {
+            let tn = self.attn_rows.min(m - t0);
+            let n_keys = first + t0 + tn;
+            let ld = n_keys.next_multiple_of(8);
+            let rows = tn * group;
+            let q0 = qs + 2 * (t0 * group * hd) as u64;
+            // Column-major S^T (keys x rows) = K (keys x hd) . Q^T (hd x rows), per kv head.
+            gemm_batched(
+                g,
+                (trans, none),
+                (n_keys, rows, hd),
+                (kc, bf16t, kvd, hd),
+                (q0, bf16t, hd, m * group * hd),
+                (sc, f32t, ld, rows * ld),
+                nkv,
+            )?;
+            g.launch(
+                &f.attn_softmax,
+                (rows as u32, nkv as u32, 1),
+                256,
+                &[
+                    Arg::Ptr(sc),
+                    Arg::I32(ld as i32),
+                    Arg::I32(n_keys as i32),
+                    Arg::I32(rows as i32),
+                    Arg::Ptr(inp.pos),
+                    Arg::I32(t0 as i32),
+                    Arg::I32(group as i32),
+                    Arg::I32(spec.window.unwrap_or(0) as i32),
+                    Arg::F32(c.attn_softcap.unwrap_or(0.0)),
+                    Arg::Ptr(pr),
+                ],
+            )?;
+            // Column-major O^T (hd x rows) = V^T (hd x keys) . P^T (keys x rows).
+            gemm_batched(
+                g,
+                (none, none),
+                (hd, rows, n_keys),
+                (vc, bf16t, kvd, hd),
+                (pr, bf16t, ld, rows * ld),
+                (os + 2 * (t0 * group * hd) as u64, bf16t, hd, m * group * hd),
+                nkv,
+            )?;
+            t0 += tn;
+        }
+        g.launch(
+            &f.attn_unstack,
+            (m as u32, 1, 1),
+            256,
+            &[
+                Arg::Ptr(os),
+                Arg::I32(m as i32),
+                Arg::I32(nkv as i32),
+                Arg::I32(group as i32),
+                Arg::Ptr(g.ptr(&b.attn)),
+            ],
+        )
+    }
+
+    /// `y = inp . W^T` for the projection `(inp, W, k)`, then the residual step (see
+    /// [`residual`](Self::residual)). One token without bias or post-norm: one GEMV that adds
+    /// into x and norms in its last block (`counter` picks its last-block counter).
+    #[allow(clippy::too_many_arguments)]
+    fn proj_residual(
+        &self,
+        m: usize,
+        (inp, w, k): (u64, u64, usize),
+        bias: u64,
+        post: (u64, u64),
+        rscale: f32,
+        next: (u64, u64),
+        counter: usize,
+    ) -> Result<()> {
+        let (g, c) = (&*self.gpu, &self.cfg);
+        let h = c.hidden;
+        let y = g.ptr(&self.b.y);
+        if m == 1 && bias == 0 && post.0 == 0 && self.tuning.fuse_residual {
+            return g.launch(
+                &self.f.gemv_residual,
+                (h.div_ceil(2) as u32, 1, 1),
+                128,
+                &[
+                    Arg::Ptr(w),
+                    Arg::I32(h as i32),
+                    Arg::I32(k as i32),
+                    Arg::Ptr(inp),
+                    Arg::Ptr(g.ptr(&self.b.x)),
+                    Arg::F32(rscale),
+                    Arg::Ptr(next.0),
+                    Arg::Ptr(next.1),
+                    Arg::F32(c.norm_eps),
+                    Arg::I32((c.norm == NormKind::Layer) as i32),
+                    Arg::Ptr(g.ptr(&self.b.xn)),
+                    Arg::Ptr(g.ptr(&self.b.res_counters) + 4 * counter as u64),
+                ],
+            );
+        }
+        self.matmul(m, inp, w, h, k, y)?;
+        self.residual(m, y, bias, post, rscale, next)
     }
 
     /// `x += rscale * post(y + bias)`, then `xn = next_norm(x)` (identity when absent), per row.
@@ -1043,4 +1332,48 @@ pub fn gemm(
         )
     }
     .map_err(|e| anyhow!("cublasGemmEx({m}x{n}x{k}): {e:?}"))
+}
+
+/// One cuBLAS strided-batched GEMM (column-major, f32 accumulation): `c = op(a) . op(b)`, each
+/// operand given as (pointer, type, leading dimension, batch stride).
+fn gemm_batched(
+    g: &Gpu,
+    ops: (bsys::cublasOperation_t, bsys::cublasOperation_t),
+    (m, n, k): (usize, usize, usize),
+    a: (u64, bsys::cudaDataType, usize, usize),
+    b: (u64, bsys::cudaDataType, usize, usize),
+    c: (u64, bsys::cudaDataType, usize, usize),
+    batch: usize,
+) -> Result<()> {
+    let (alpha, beta) = (1.0f32, 0.0f32);
+    // SAFETY: the pointers are live device buffers holding every batch at the stated strides;
+    // the handle runs on the model's stream.
+    unsafe {
+        cudarc::cublas::result::gemm_strided_batched_ex(
+            *g.blas.handle(),
+            ops.0,
+            ops.1,
+            m as i32,
+            n as i32,
+            k as i32,
+            &alpha as *const f32 as *const _,
+            a.0 as *const _,
+            a.1,
+            a.2 as i32,
+            a.3 as i64,
+            b.0 as *const _,
+            b.1,
+            b.2 as i32,
+            b.3 as i64,
+            &beta as *const f32 as *const _,
+            c.0 as *mut _,
+            c.1,
+            c.2 as i32,
+            c.3 as i64,
+            batch as i32,
+            bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }
+    .map_err(|e| anyhow!("cublasGemmStridedBatchedEx({m}x{n}x{k} x{batch}): {e:?}"))
 }

@@ -10,7 +10,7 @@
 #endif
 #define HD HEAD_DIM
 #define ATT_WARPS 4
-#define RPW 2                       // query rows per warp
+#define RPW 1                       // query rows per warp
 #define ATT_ROWS (ATT_WARPS * RPW)  // query rows per block
 #define KT 32                       // keys per tile: one per lane
 #define KW (HD / 2 + 1)             // words per K row in shared memory (padded: no bank conflicts)
@@ -20,7 +20,8 @@
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
 attn_partial(const float* __restrict__ q, const bf16* __restrict__ kc, const bf16* __restrict__ vc,
              const int* __restrict__ pos, int m, int n_heads, int n_kv, int window, float softcap,
-             int chunk, int n_splits, float* __restrict__ part_acc, float* __restrict__ part_ml) {
+             int chunk, int n_splits, float* __restrict__ part_acc, float* __restrict__ part_ml,
+             bf16* __restrict__ out, int* __restrict__ counters) {
     GRID_SYNC();
     __shared__ float qs[ATT_ROWS][HD];
     __shared__ u32 ks[KT * KW];
@@ -154,6 +155,70 @@ attn_partial(const float* __restrict__ q, const bf16* __restrict__ kc, const bf1
             }
         }
     }
+    if (!out) return;
+    // Fused combine: the last split of this (kv head, row tile) to finish merges all splits.
+    __shared__ int is_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int* c = counters + blockIdx.x * gridDim.y + blockIdx.y;
+        const int ticket = atomicAdd(c, 1);
+        is_last = ticket == n_splits - 1;
+        if (is_last) *c = 0;  // ready for the next launch (graph replay)
+    }
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    // Each warp merges every ATT_WARPS-th split of a row; the warps' sums meet in shared memory.
+    __shared__ float red[ATT_WARPS][HD];
+    for (int rr = 0; rr < ATT_ROWS; rr++) {
+        const int r = r0 + rr;
+        if (r >= n_rows) break;  // block-uniform
+        const int t = r / group, h = kvh * group + r % group;
+        const long long row = (long long)t * n_heads + h;
+        const float* ml = part_ml + row * n_splits * 2;
+        float gm = NEG_INF;
+        for (int s = lane; s < n_splits; s += 32) {
+            const float2 v = __ldcg((const float2*)(ml + 2 * s));
+            if (v.y > 0.0f) gm = fmaxf(gm, v.x);
+        }
+        gm = warp_max(gm);
+        float den = 0.0f;
+        for (int s = lane; s < n_splits; s += 32) {
+            const float2 v = __ldcg((const float2*)(ml + 2 * s));
+            if (v.y > 0.0f) den += v.y * expf(v.x - gm);
+        }
+        den = warp_sum(den);
+        const float inv = den > 0.0f ? 1.0f / den : 0.0f;
+        float a[(HD + 31) / 32];
+#pragma unroll
+        for (int i = 0; i < (HD + 31) / 32; i++) a[i] = 0.0f;
+        // No branch on the split's emptiness (its acc is zeros), so the loads pipeline.
+#pragma unroll 4
+        for (int s = warp; s < n_splits; s += ATT_WARPS) {
+            const float2 v = __ldcg((const float2*)(ml + 2 * s));
+            const float wgt = v.y > 0.0f ? expf(v.x - gm) : 0.0f;
+            const float* pa = part_acc + (row * n_splits + s) * HD;
+#pragma unroll
+            for (int i = 0; i < (HD + 31) / 32; i++) {
+                const int d = lane + 32 * i;
+                if (d < HD) a[i] = fmaf(__ldcg(pa + d), wgt, a[i]);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < (HD + 31) / 32; i++) {
+            const int d = lane + 32 * i;
+            if (d < HD) red[warp][d] = a[i];
+        }
+        __syncthreads();
+        for (int d = threadIdx.x; d < HD; d += blockDim.x) {
+            float sum = 0.0f;
+#pragma unroll
+            for (int w = 0; w < ATT_WARPS; w++) sum += red[w][d];
+            out[row * HD + d] = f2bf(sum * inv);
+        }
+        __syncthreads();
+    }
 }
 
 // One block per (token, head): merges the splits and writes the bf16 output row.
@@ -176,5 +241,73 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part_acc,
             if (ml[2 * s + 1] > 0.0f)
                 a += part_acc[(row * n_splits + s) * HD + d] * expf(ml[2 * s] - gm);
         out[row * HD + d] = f2bf(a * inv);
+    }
+}
+
+// Prefill attention on tensor cores: S = Q K^T and O = P V run as cuBLAS batched GEMMs (one batch
+// per kv head, the group's query rows stacked: row r = t * group + j), with this kernel between.
+// One block per stacked row of one kv head: masks (causal, sliding window), soft-caps and
+// normalizes the f32 scores of keys [0, n_keys) into bf16 probabilities (zero where masked).
+// Rows of S and P are `ld` apart; `t0` is the first token of this chunk of rows.
+extern "C" __global__ void __launch_bounds__(256)
+attn_softmax(const float* __restrict__ s, int ld, int n_keys, int rows, const int* __restrict__ pos,
+             int t0, int group, int window, float softcap, bf16* __restrict__ p) {
+    GRID_SYNC();
+    __shared__ float scratch[33];
+    const int r = blockIdx.x;
+    const long long off = ((long long)blockIdx.y * rows + r) * ld;
+    const float* sr = s + off;
+    bf16* pr = p + off;
+    const int ps = pos[t0 + r / group];
+    const int lo = window > 0 ? max(ps + 1 - window, 0) : 0;
+    const int hi = min(ps, n_keys - 1);
+    float mx = NEG_INF;
+    for (int k = lo + threadIdx.x; k <= hi; k += blockDim.x) {
+        float v = sr[k];
+        if (softcap > 0.0f) v = tanhf(v / softcap) * softcap;
+        mx = fmaxf(mx, v);
+    }
+    mx = warp_max(mx);  // block max
+    __shared__ float wmax[32];
+    const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+    if (l == 0) wmax[w] = mx;
+    __syncthreads();
+    if (w == 0) {
+        float v = l < (int)(blockDim.x >> 5) ? wmax[l] : NEG_INF;
+        v = warp_max(v);
+        if (l == 0) wmax[0] = v;
+    }
+    __syncthreads();
+    mx = wmax[0];
+    float sum = 0.0f;
+    for (int k = lo + threadIdx.x; k <= hi; k += blockDim.x) {
+        float v = sr[k];
+        if (softcap > 0.0f) v = tanhf(v / softcap) * softcap;
+        sum += expf(v - mx);
+    }
+    sum = block_sum(sum, scratch);
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    for (int k = threadIdx.x; k < n_keys; k += blockDim.x) {
+        float e = 0.0f;
+        if (k >= lo && k <= hi) {
+            float v = sr[k];
+            if (softcap > 0.0f) v = tanhf(v / softcap) * softcap;
+            e = expf(v - mx) * inv;
+        }
+        pr[k] = f2bf(e);
+    }
+}
+
+// Stacked attention output [kv head][t * group + j][HD] -> [t][kv head * group + j][HD] (bf16).
+extern "C" __global__ void attn_unstack(const bf16* __restrict__ o, int m, int n_kv, int group,
+                                        bf16* __restrict__ out) {
+    GRID_SYNC();
+    const int t = blockIdx.x;
+    const int n_heads = n_kv * group;
+    for (int i = threadIdx.x; i < n_heads * (HD / 8); i += blockDim.x) {
+        const int h = i / (HD / 8), c = i % (HD / 8);
+        const int g = h / group, j = h % group;
+        const uint4 v = *(const uint4*)(o + (((long long)g * m + t) * group + j) * HD + c * 8);
+        *(uint4*)(out + ((long long)t * n_heads + h) * HD + c * 8) = v;
     }
 }

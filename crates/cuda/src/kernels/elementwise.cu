@@ -80,23 +80,29 @@ extern "C" __global__ void residual_norm(float* __restrict__ x, float* __restric
 }
 
 // Prefill MLP activation: gu [rows, 2*ff] (gate | up) -> out [rows, ff] = act(g) * u; or, when
-// not gated, gu [rows, ff] -> act(u). Biases (over gu's columns) are added first.
-extern "C" __global__ void act_rows(const float* __restrict__ gu, const float* __restrict__ bias,
-                                    int ff, int gated, int act, bf16* __restrict__ out) {
+// not gated, gu [rows, ff] -> act(u). Biases (over gu's columns) are added first. gu is f32, or
+// bf16 when `gu_bf16` is set.
+extern "C" __global__ void act_rows(const void* __restrict__ gu_, const float* __restrict__ bias,
+                                    int ff, int gated, int act, int gu_bf16,
+                                    bf16* __restrict__ out) {
     GRID_SYNC();
     const long long r = blockIdx.y;
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= ff) return;
+    const float* gf = (const float*)gu_;
+    const bf16* gb = (const bf16*)gu_;
+#define GU(j) (gu_bf16 ? bf2f(gb[j]) : gf[j])
     if (gated) {
-        const float* row = gu + r * 2 * ff;
-        float g = row[i], u = row[ff + i];
+        const long long row = r * 2 * ff;
+        float g = GU(row + i), u = GU(row + ff + i);
         if (bias) { g += bias[i]; u += bias[ff + i]; }
         out[r * ff + i] = f2bf(activate(g, act) * u);
     } else {
-        float u = gu[r * ff + i];
+        float u = GU(r * ff + i);
         if (bias) u += bias[i];
         out[r * ff + i] = f2bf(activate(u, act));
     }
+#undef GU
 }
 
 // Order-preserving map of a float onto an unsigned int.

@@ -132,3 +132,108 @@ gemv_act(const bf16* __restrict__ W, int n, int k, const bf16* __restrict__ x,
         if (row + 1 < n) out[row + 1] = f2bf(activate(acc[1] + (bias ? bias[row + 1] : 0.0f), act));
     }
 }
+
+// Decode's qkv projection with the rope kernel's work in its epilogue (models without q/k norms):
+// each block computes the two rows of one rotary pair (or two plain rows), adds biases, rotates
+// q and k at position pos[0], scales q into q_out (f32) and writes k and v into the cache (bf16).
+// Blocks: (n_heads + 2 n_kv) * hd / 2, rows of W ordered q heads, k heads, v heads.
+extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
+gemv_qkv_rope(const bf16* __restrict__ W, int k, const bf16* __restrict__ x,
+              const float* __restrict__ bias, const int* __restrict__ pos, int n_heads, int n_kv,
+              int hd, const float* __restrict__ inv_freq, int rot, int interleaved,
+              float pos_scale, float in_scale, float q_scale, float* __restrict__ q_out,
+              bf16* __restrict__ k_cache, bf16* __restrict__ v_cache) {
+    const int half_hd = hd >> 1;
+    const int head = blockIdx.x / half_hd, j = blockIdx.x % half_hd;
+    const bool is_v = head >= n_heads + n_kv;
+    const int half = inv_freq ? rot / 2 : 0;
+    const bool rotate = !is_v && j < half;
+    int a, b;
+    if (j < half) {
+        a = interleaved ? 2 * j : j;
+        b = interleaved ? 2 * j + 1 : j + half;
+    } else {
+        a = 2 * half + 2 * (j - half);
+        b = a + 1;
+    }
+    const int ra = head * hd + a, rb = head * hd + b;
+    long long off[2] = {(long long)ra * k, (long long)rb * k};
+    float acc[2];
+    block_dot<2>(W, off, k, x, acc);
+    if (threadIdx.x != 0) return;
+    float x1 = acc[0] + (bias ? bias[ra] : 0.0f);
+    float x2 = acc[1] + (bias ? bias[rb] : 0.0f);
+    const int p = pos[0];
+    if (rotate) {
+        // sincosf's slow path for large angles needs a stack frame; reduce by 2*pi (Cody-Waite,
+        // two parts) and use the fast intrinsic on [-pi, pi] instead.
+        const float ang = (float)p * pos_scale * inv_freq[j];
+        const float kk = rintf(ang * 0.15915494309189535f);
+        float red = fmaf(-kk, 6.28318548202514648f, ang);
+        red = fmaf(-kk, -1.7484555e-7f, red);
+        float sn, cs;
+        __sincosf(red, &sn, &cs);
+        const float y1 = x1 * in_scale, y2 = x2 * in_scale;
+        x1 = y1 * cs - y2 * sn;
+        x2 = y1 * sn + y2 * cs;
+    }
+    if (head < n_heads) {
+        q_out[ra] = x1 * q_scale;
+        q_out[rb] = x2 * q_scale;
+    } else {
+        const int kvh = is_v ? head - n_heads - n_kv : head - n_heads;
+        bf16* c = (is_v ? v_cache : k_cache) + ((long long)p * n_kv + kvh) * hd;
+        c[a] = f2bf(x1);
+        c[b] = f2bf(x2);
+    }
+}
+
+// A projection that feeds the residual stream (decode, no bias, no post-norm), with the residual
+// add and the next norm in its epilogue: x[row] += rscale * (W xin)[row] (f32), and the last
+// block to finish writes xn = norm(x) (RMSNorm, or LayerNorm when `layer`; a copy without nw)
+// as bf16. Two rows per block, as gemv_f32. `counter` is zero between launches.
+extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
+gemv_residual(const bf16* __restrict__ W, int n, int k, const bf16* __restrict__ xin,
+              float* __restrict__ x, float rscale, const float* __restrict__ nw,
+              const float* __restrict__ nb, float eps, int layer, bf16* __restrict__ xn,
+              int* __restrict__ counter) {
+    const int row = blockIdx.x * 2;
+    long long off[2] = {(long long)row * k, (long long)min(row + 1, n - 1) * k};
+    float acc[2];
+    block_dot<2>(W, off, k, xin, acc);
+    __shared__ int is_last;
+    __shared__ float scratch[33];
+    if (threadIdx.x == 0) {
+        x[row] = __ldcg(x + row) + acc[0] * rscale;
+        if (row + 1 < n) x[row + 1] = __ldcg(x + row + 1) + acc[1] * rscale;
+        __threadfence();
+        const int ticket = atomicAdd(counter, 1);
+        is_last = ticket == (int)gridDim.x - 1;
+        if (is_last) *counter = 0;  // ready for the next launch (graph replay)
+    }
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    // Other blocks wrote x: read it from L2 (__ldcg), never from this SM's L1.
+    if (!nw) {
+        for (int i = threadIdx.x; i < n; i += blockDim.x) xn[i] = f2bf(__ldcg(x + i));
+        return;
+    }
+    float mean = 0.0f;
+    if (layer) {
+        float s = 0.0f;
+        for (int i = threadIdx.x; i < n; i += blockDim.x) s += __ldcg(x + i);
+        mean = block_sum(s, scratch) / (float)n;
+    }
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const float d = __ldcg(x + i) - mean;
+        ss += d * d;
+    }
+    const float r = 1.0f / sqrtf(block_sum(ss, scratch) / (float)n + eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const float v = __ldcg(x + i);
+        const float y = layer ? ((v - mean) * r) * nw[i] + nb[i] : nw[i] * (v * r);
+        xn[i] = f2bf(y);
+    }
+}

@@ -54,7 +54,12 @@ pub const ROPE: KernelSource = KernelSource {
 pub const ATTENTION: KernelSource = KernelSource {
     name: "attention",
     source: include_str!("attention.cu"),
-    functions: &["attn_partial", "attn_combine"],
+    functions: &[
+        "attn_partial",
+        "attn_combine",
+        "attn_softmax",
+        "attn_unstack",
+    ],
     hot: true,
     variants: &[
         "HEAD_DIM=16",
@@ -68,7 +73,13 @@ pub const ATTENTION: KernelSource = KernelSource {
 pub const GEMV: KernelSource = KernelSource {
     name: "gemv",
     source: include_str!("gemv.cu"),
-    functions: &["gemv_f32", "gemv_glu", "gemv_act"],
+    functions: &[
+        "gemv_f32",
+        "gemv_glu",
+        "gemv_act",
+        "gemv_qkv_rope",
+        "gemv_residual",
+    ],
     hot: true,
     variants: &["UNROLL=2", "UNROLL=4", "UNROLL=8"],
 };

@@ -1,6 +1,7 @@
 // q/k/v post-processing after the fused qkv projection, one warp per head:
 // bias, per-head RMSNorm of q and k, RoPE (half-split or interleaved, on the first `rot` dims,
 // per-row positions), attention scale folded into q, and k/v written into the layer's cache.
+// With `q_stacked`, q goes there as bf16 in the prefill GEMMs' layout instead of to q_out.
 
 #define ROPE_WARPS 8
 #define MAX_HD 256
@@ -10,7 +11,7 @@ qkv_rope(const float* __restrict__ qkv, const float* __restrict__ bias, const in
          int n_heads, int n_kv, int hd, const float* __restrict__ q_norm,
          const float* __restrict__ k_norm, float eps, const float* __restrict__ inv_freq, int rot,
          int interleaved, float pos_scale, float in_scale, float q_scale, float* __restrict__ q_out,
-         bf16* __restrict__ k_cache, bf16* __restrict__ v_cache) {
+         bf16* __restrict__ k_cache, bf16* __restrict__ v_cache, bf16* __restrict__ q_stacked) {
     GRID_SYNC();
     __shared__ float buf[ROPE_WARPS][MAX_HD];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -50,7 +51,12 @@ qkv_rope(const float* __restrict__ qkv, const float* __restrict__ bias, const in
         }
         __syncwarp();
     }
-    if (is_q) {
+    if (is_q && q_stacked) {
+        // bf16, stacked per kv head for the batched GEMMs: [kv head][t * group + j][hd].
+        const int group = n_heads / n_kv, g = head / group, j = head % group;
+        bf16* out = q_stacked + (((long long)g * gridDim.x + t) * group + j) * hd;
+        for (int d = lane; d < hd; d += 32) out[d] = f2bf(s[d] * q_scale);
+    } else if (is_q) {
         float* out = q_out + t * q_dim + off;
         for (int d = lane; d < hd; d += 32) out[d] = s[d] * q_scale;
     } else {
