@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One GPU run of the CUDA backend (issue 6): a smoke run of the tiny shape, the GPU-against-CPU
-# checks on every tiny fixture in three configurations (defaults; every optional fusion, bf16
-# gate/up and one-token attention chunks; CUDA-core prefill attention), then the Llama-3.1-8B-shape
-# benchmark over a matrix of the TRELLM_CUDA_* switches (see crates/cuda/src/dense.rs, Tuning).
+# checks on every tiny fixture in several configurations (the default first; every optional
+# fusion, bf16 gate/up and one-token attention chunks; run 5's decode path with CUDA-core prefill
+# attention), and the Llama-3.1-8B-shape benchmark over a matrix of the TRELLM_CUDA_* switches (see crates/cuda/src/dense.rs, Tuning).
 # Results go to $OUT.   run: bash scripts/gpu/run_cuda.sh   (binary at .device/trellm, carried)
 set -u
 BIN=${BIN:-.device/trellm}
@@ -15,30 +15,49 @@ cat "$OUT/gpu.txt"
 echo "== tiny shape"
 timeout 120 "$BIN" bench --device cuda --shape tiny --n-prompt 64 --context 32 --n-gen 16 -r 2 --json 2>&1 | tee "$OUT/tiny.json"
 
-# Each configuration: a label, then VAR=VALUE settings.
-CHECKS=(
+# Each configuration: a label, then VAR=VALUE settings. "before" is run 5's default (separate
+# rope and residual+norm kernels, fixed 32-key attention splits over the whole cache); run 6 made
+# the rest the default (see crates/cuda/src/dense.rs, Tuning).
+CHECKS_FIRST=(
     "default"
-    "fusions+gu_bf16+chunk1 TRELLM_CUDA_FUSE_ROPE=1 TRELLM_CUDA_FUSE_COMBINE=1 TRELLM_CUDA_FUSE_RESIDUAL=1 TRELLM_CUDA_GU_BF16=1 TRELLM_CUDA_ATTN_BUDGET=8"
-    "cuda_core_attn TRELLM_CUDA_ATTN_GEMM=0"
 )
-BENCHES=(
+CHECKS_MORE=(
+    "cuda_core_attn TRELLM_CUDA_ATTN_GEMM=0"
+    "fusions+gu_bf16+chunk1 TRELLM_CUDA_FUSE_COMBINE=1 TRELLM_CUDA_FUSE_RESIDUAL=1 TRELLM_CUDA_GU_BF16=1 TRELLM_CUDA_ATTN_BUDGET=8"
+    "before+cuda_core_attn TRELLM_CUDA_RES_EPI=0 TRELLM_CUDA_DECODE_SPLITS=0 TRELLM_CUDA_FUSE_ROPE=0 TRELLM_CUDA_ATTN_GEMM=0"
+)
+BENCHES_FIRST=(
+    "before TRELLM_CUDA_RES_EPI=0 TRELLM_CUDA_DECODE_SPLITS=0 TRELLM_CUDA_FUSE_ROPE=0"
     "default"
-    "fuse_rope TRELLM_CUDA_FUSE_ROPE=1"
+)
+BENCHES_MORE=(
+    "no_res_epi TRELLM_CUDA_RES_EPI=0"
+    "no_fuse_rope TRELLM_CUDA_FUSE_ROPE=0"
+    "fixed_splits TRELLM_CUDA_DECODE_SPLITS=0"
+    "splits16 TRELLM_CUDA_DECODE_SPLITS=16"
     "fuse_combine TRELLM_CUDA_FUSE_COMBINE=1"
-    "gu_bf16 TRELLM_CUDA_GU_BF16=1"
-    "cuda_core_attn TRELLM_CUDA_ATTN_GEMM=0"
+    "default_again"
 )
-for cfg in "${CHECKS[@]}"; do
-    read -r label settings <<<"$cfg"
-    echo "== checks (CUDA vs CPU, 32 greedy steps): $label"
-    for d in tests/fixtures/tiny/*/; do
-        env ${settings:-} timeout 120 "$BIN" bench --device cuda --check --model "$d" --n-gen 32 2>&1 \
-            || echo "{\"model\": \"$d\", \"error\": true}"
-    done | sed "s/^{/{\"config\":\"$label\",/" | tee -a "$OUT/check.jsonl"
-done
-echo "== llama-3.1-8b shape"
-for cfg in "${BENCHES[@]}"; do
-    read -r label settings <<<"$cfg"
-    env ${settings:-} timeout 120 "$BIN" bench --device cuda --shape llama-3.1-8b --n-prompt 2048 \
-        --context 512 --n-gen 128 -r ${REPS:-5} --json 2>&1 | sed "s/^{/{\"config\":\"$label\",/" | tee -a "$OUT/bench_8b.jsonl"
-done
+checks() {
+    for cfg in "$@"; do
+        read -r label settings <<<"$cfg"
+        echo "== checks (CUDA vs CPU, 32 greedy steps): $label  (t=${SECONDS}s)"
+        for d in tests/fixtures/tiny/*/; do
+            env ${settings:-} timeout 120 "$BIN" bench --device cuda --check --model "$d" --n-gen 32 2>&1 \
+                || echo "{\"model\": \"$d\", \"error\": true}"
+        done | sed "s/^{/{\"config\":\"$label\",/" | tee -a "$OUT/check.jsonl"
+    done
+}
+benches() {
+    for cfg in "$@"; do
+        read -r label settings <<<"$cfg"
+        echo "== llama-3.1-8b shape: $label  (t=${SECONDS}s)"
+        env ${settings:-} timeout 120 "$BIN" bench --device cuda --shape llama-3.1-8b --n-prompt 2048 \
+            --context 512 --n-gen 128 -r ${REPS:-5} --json 2>&1 | sed "s/^{/{\"config\":\"$label\",/" | tee -a "$OUT/bench_8b.jsonl"
+    done
+}
+checks "${CHECKS_FIRST[@]}"
+benches "${BENCHES_FIRST[@]}"
+checks "${CHECKS_MORE[@]}"
+benches "${BENCHES_MORE[@]}"
+echo "== done (t=${SECONDS}s)"

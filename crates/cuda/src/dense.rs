@@ -12,9 +12,13 @@
 //! attention included: per chunk of query tokens, S = Q K^T and O = P V are strided-batched GEMMs
 //! over kv heads (the group's query rows stacked, so GQA shares K/V), with a masking/soft-capping
 //! softmax kernel between (`TRELLM_CUDA_ATTN_GEMM=0`: the CUDA-core flash kernel instead).
-//! Optional decode fusions (off by default, see `Tuning`): rope into the qkv GEMV, the
-//! attention's split merge into its last block, the residual add + next norm into the o/down
-//! GEMVs' last block.
+//! Decode by default (Llama-like models: RMSNorm, no q/k norm, no post-norms or o/down biases)
+//! fuses rope and the cache write into the qkv GEMV, and the residual add into the o/down GEMVs'
+//! epilogues with the next RMSNorm deferred into the next GEMV (the producer leaves bf16(w * x)
+//! and the sum of squares; the consumer scales its dot products), so a layer is 6 kernels:
+//! qkv+rope, attention partials, combine, o+residual, gate/up+act, down+residual. Decode attention
+//! splits the actual context over a chip-sized grid. Optional (off, see `Tuning`): the split merge
+//! in the attention's last block, the residual add + norm in the o/down GEMVs' last block.
 
 use std::sync::Arc;
 
@@ -402,14 +406,21 @@ impl DenseWeights {
 /// Key positions per attention split in decode (one 32-key tile per block; a multiple of 32,
 /// `TRELLM_CUDA_DECODE_CHUNK` overrides).
 const DECODE_CHUNK: usize = 32;
+/// Decode attention blocks to aim for when the splits share the actual context (H200 runs 6-7:
+/// 256 blocks, one 32-key tile each at ctx 512-640, beat 128 and 512).
+const DECODE_BLOCKS: usize = 256;
 /// Query rows per attention block (`ATT_ROWS` in attention.cu).
 const ATT_ROWS: usize = 4;
 
-/// Kernel choices that can be switched for measurement. The decode fusions are off by default:
-/// on the H200 (Llama-3.1-8B shape, ctx 512) the last-block-done combine cost +0.28 ms a token and
-/// the fused residual +1.1 ms (one SM runs the serial tail while the rest of the chip idles);
-/// the qkv+rope GEMV was within noise (scripts/gpu/NOTES.md, run 5). `TRELLM_CUDA_FUSE_ROPE=1`,
-/// `TRELLM_CUDA_FUSE_COMBINE=1`, `TRELLM_CUDA_FUSE_RESIDUAL=1` turn them on.
+/// Kernel choices that can be switched for measurement. Run 6 (H200) made defaults of the qkv GEMV
+/// with rope in its epilogue (`TRELLM_CUDA_FUSE_ROPE=0` off), the residual adds in the o/down
+/// GEMVs with the next RMSNorm deferred into the next GEMV (`TRELLM_CUDA_RES_EPI=0` off), and
+/// decode attention splits sized to the chip over the actual context
+/// (`TRELLM_CUDA_DECODE_SPLITS=0`: fixed splits over the whole cache). The other decode fusions
+/// are off by default: on the H200 (Llama-3.1-8B shape, ctx 512) the last-block-done combine
+/// cost +0.28 ms a token and the last-block residual + norm +1.1 ms (one SM runs the serial tail
+/// while the rest of the chip idles; scripts/gpu/NOTES.md, run 5). `TRELLM_CUDA_FUSE_COMBINE=1`,
+/// `TRELLM_CUDA_FUSE_RESIDUAL=1` turn them on.
 #[derive(Debug, Clone, Copy)]
 struct Tuning {
     /// RoPE and the cache write in the qkv GEMV's epilogue (no q/k norms).
@@ -423,6 +434,13 @@ struct Tuning {
     /// Elements of the GEMM attention's score buffer (`TRELLM_CUDA_ATTN_BUDGET`: log2).
     attn_budget: usize,
     decode_chunk: usize,
+    /// Decode's residual adds in the o/down GEMVs' epilogues with the next RMSNorm deferred into
+    /// the next GEMV (`TRELLM_CUDA_RES_EPI=0` turns it off: separate residual+norm kernels).
+    res_epi: bool,
+    /// Decode attention splits sized to the chip, sharing the actual context
+    /// (`TRELLM_CUDA_DECODE_SPLITS`: a count, 0 = fixed `decode_chunk`-key splits over the
+    /// whole cache). `None` aims at `DECODE_BLOCKS` blocks.
+    decode_splits: Option<usize>,
 }
 
 impl Tuning {
@@ -434,7 +452,7 @@ impl Tuning {
             .filter(|&c| c >= 32 && c.is_multiple_of(32))
             .unwrap_or(DECODE_CHUNK);
         Tuning {
-            fuse_rope: on("TRELLM_CUDA_FUSE_ROPE"),
+            fuse_rope: std::env::var("TRELLM_CUDA_FUSE_ROPE").as_deref() != Ok("0"),
             fuse_combine: on("TRELLM_CUDA_FUSE_COMBINE"),
             fuse_residual: on("TRELLM_CUDA_FUSE_RESIDUAL"),
             gu_bf16: on("TRELLM_CUDA_GU_BF16"),
@@ -444,6 +462,10 @@ impl Tuning {
                 .filter(|&b| (6..=30).contains(&b))
                 .map_or(ATTN_SCORE_BUDGET, |b| 1 << b),
             decode_chunk,
+            res_epi: std::env::var("TRELLM_CUDA_RES_EPI").as_deref() != Ok("0"),
+            decode_splits: std::env::var("TRELLM_CUDA_DECODE_SPLITS")
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok()),
         }
     }
 }
@@ -466,6 +488,7 @@ struct Funcs {
     gemv_f32: CudaFunction,
     gemv_qkv_rope: CudaFunction,
     gemv_residual: CudaFunction,
+    gemv_res: CudaFunction,
     gemv_glu: CudaFunction,
     gemv_act: CudaFunction,
 }
@@ -504,6 +527,9 @@ struct Buffers {
     attn_counters: CudaSlice<i32>,
     /// The residual GEMVs' last-block counters (o, down).
     res_counters: CudaSlice<i32>,
+    /// Decode's deferred-norm sums of squares: layer l's o GEMV fills slot 2l, its down GEMV
+    /// slot 2l + 1 (see gemv_res).
+    ss: CudaSlice<f32>,
 }
 
 /// A model on the GPU with its KV cache (one sequence).
@@ -572,6 +598,7 @@ impl DenseModel {
             gemv_f32: g("gemv_f32")?,
             gemv_qkv_rope: g("gemv_qkv_rope")?,
             gemv_residual: g("gemv_residual")?,
+            gemv_res: g("gemv_res")?,
             gemv_glu: g("gemv_glu")?,
             gemv_act: g("gemv_act")?,
         };
@@ -615,6 +642,7 @@ impl DenseModel {
             probs: gpu.alloc(score_elems)?,
             attn_counters: gpu.alloc(cfg.n_kv_heads * group.div_ceil(ATT_ROWS))?,
             res_counters: gpu.alloc(2)?,
+            ss: gpu.alloc(2 * cfg.n_layers())?,
         };
         Ok(DenseModel {
             gpu,
@@ -773,6 +801,10 @@ impl DenseModel {
                         Arg::Ptr(0),
                         Arg::I32(c.activation as i32),
                         Arg::Ptr(act),
+                        Arg::Ptr(0),
+                        Arg::F32(0.0),
+                        Arg::F32(0.0),
+                        Arg::Ptr(0),
                     ],
                 )?;
                 self.matmul(1, act, g.ptr(&lw.down), h, ff, y)?;
@@ -806,23 +838,50 @@ impl DenseModel {
 
     /// `y[m, n] (f32) = x[m, k] (bf16) . W[n, k]^T`: our GEMV for one row, cuBLAS otherwise.
     fn matmul(&self, m: usize, x: u64, w: u64, n: usize, k: usize, y: u64) -> Result<()> {
-        let g = &self.gpu;
         if m == 1 {
-            let blocks = n.div_ceil(2);
-            return g.launch(
-                &self.f.gemv_f32,
-                (blocks as u32, 1, 1),
-                128,
-                &[
-                    Arg::Ptr(w),
-                    Arg::I32(n as i32),
-                    Arg::I32(k as i32),
-                    Arg::Ptr(x),
-                    Arg::Ptr(y),
-                ],
-            );
+            return self.gemv(x, w, n, k, y, (0, 0));
         }
-        gemm_bf16_f32(g, m, n, k, x, w, y)
+        gemm_bf16_f32(&self.gpu, m, n, k, x, w, y)
+    }
+
+    /// One row through our GEMV; `norm` = (sum of squares of a deferred RMSNorm, or 0; a sum to
+    /// zero for the next gemv_res, or 0), see [`Self::norm_args`].
+    fn gemv(&self, x: u64, w: u64, n: usize, k: usize, y: u64, norm: (u64, u64)) -> Result<()> {
+        let g = &self.gpu;
+        let mut args = vec![
+            Arg::Ptr(w),
+            Arg::I32(n as i32),
+            Arg::I32(k as i32),
+            Arg::Ptr(x),
+            Arg::Ptr(y),
+        ];
+        args.extend(self.norm_args(norm));
+        g.launch(&self.f.gemv_f32, (n.div_ceil(2) as u32, 1, 1), 128, &args)
+    }
+
+    /// The trailing (ss, 1/n, eps, zero) arguments of the GEMVs that can finish a deferred norm.
+    fn norm_args(&self, (ss, zero): (u64, u64)) -> [Arg; 4] {
+        [
+            Arg::Ptr(ss),
+            Arg::F32(1.0 / self.cfg.hidden as f32),
+            Arg::F32(self.cfg.norm_eps),
+            Arg::Ptr(zero),
+        ]
+    }
+
+    /// Whether decode defers the norms into the GEMVs (gemv_res): RMSNorm, and no projection
+    /// bias or post-norm on the residual branches.
+    fn res_epi(&self) -> bool {
+        let c = &self.cfg;
+        self.tuning.res_epi
+            && !self.tuning.fuse_residual
+            && c.norm == NormKind::Rms
+            && self.w.layers.iter().all(|l| {
+                l.o_bias.is_none()
+                    && l.down_bias.is_none()
+                    && l.post_attn_norm.is_none()
+                    && l.post_ffn_norm.is_none()
+            })
     }
 
     fn enqueue(&self, inp: Inputs) -> Result<()> {
@@ -876,18 +935,33 @@ impl DenseModel {
         )?;
         let group = c.n_heads / c.n_kv_heads;
         let (chunk, splits) = if inp.decode {
-            let dc = self.tuning.decode_chunk;
-            (dc, self.max_context.div_ceil(dc))
+            match self.decode_splits() {
+                Some(n) => (0, n),
+                None => {
+                    let dc = self.tuning.decode_chunk;
+                    (dc, self.max_context.div_ceil(dc))
+                }
+            }
         } else {
             (self.max_context, 1)
         };
         let rscale = c.residual_scale.unwrap_or(1.0);
         let gemm_attn = m > 1 && self.attn_gemm;
+        // Deferred norms (decode): the sum of squares the next GEMV scales by (0: xn is final).
+        let epi = m == 1 && self.res_epi();
+        let ss_slot = |i: usize| g.ptr(&b.ss) + 4 * i as u64;
+        let mut pending_ss = 0u64;
         for (l, (lw, spec)) in self.w.layers.iter().zip(&c.layers).enumerate() {
             let rope = spec.rope.as_ref();
             let (kc, vc) = (g.ptr(&b.k_cache[l]), g.ptr(&b.v_cache[l]));
+            let qkv_norm = if epi {
+                (pending_ss, ss_slot(2 * l))
+            } else {
+                (0, 0)
+            };
             if m == 1 && c.qk_norm == QkNormKind::None && self.tuning.fuse_rope {
                 // One token: the qkv GEMV does the rope kernel's work in its epilogue.
+                let na = self.norm_args(qkv_norm);
                 g.launch(
                     &f.gemv_qkv_rope,
                     ((qkvd / 2) as u32, 1, 1),
@@ -910,10 +984,14 @@ impl DenseModel {
                         Arg::Ptr(p(&b.q)),
                         Arg::Ptr(kc),
                         Arg::Ptr(vc),
+                        na[0],
+                        na[1],
+                        na[2],
+                        na[3],
                     ],
                 )?;
             } else {
-                self.qkv_rope(m, &inp, lw, spec, l, gemm_attn)?;
+                self.qkv_rope(m, &inp, lw, spec, l, gemm_attn, qkv_norm)?;
             }
             if gemm_attn {
                 self.attention_gemm(m, &inp, spec, kc, vc)?;
@@ -962,7 +1040,16 @@ impl DenseModel {
             let (pw, pb) = pn(&lw.post_attn_norm);
             let (nw, nbias) = pn(&lw.ffn_norm);
             let o = (g.ptr(&b.attn), g.ptr(&lw.o), qd);
-            self.proj_residual(m, o, po(&lw.o_bias), (pw, pb), rscale, (nw, nbias), 0)?;
+            if epi {
+                pending_ss = self.gemv_res(o, rscale, nw, ss_slot(2 * l))?;
+            } else {
+                self.proj_residual(m, o, po(&lw.o_bias), (pw, pb), rscale, (nw, nbias), 0)?;
+            }
+            let glu_norm = if epi {
+                (pending_ss, ss_slot(2 * l + 1))
+            } else {
+                (0, 0)
+            };
 
             let ff = c.intermediate;
             let act = g.ptr(&b.act);
@@ -972,6 +1059,7 @@ impl DenseModel {
                 } else {
                     (&f.gemv_act, ff.div_ceil(2), ff)
                 };
+                let na = self.norm_args(glu_norm);
                 g.launch(
                     func,
                     (blocks as u32, 1, 1),
@@ -984,6 +1072,10 @@ impl DenseModel {
                         Arg::Ptr(po(&lw.gate_up_bias)),
                         Arg::I32(c.activation as i32),
                         Arg::Ptr(act),
+                        na[0],
+                        na[1],
+                        na[2],
+                        na[3],
                     ],
                 )?;
             } else {
@@ -1016,14 +1108,18 @@ impl DenseModel {
                 None => (g.ptr(&self.w.final_norm.w), po(&self.w.final_norm.b)),
             };
             let down = (act, g.ptr(&lw.down), ff);
-            self.proj_residual(m, down, po(&lw.down_bias), (pw, pb), rscale, next, 1)?;
+            if epi {
+                pending_ss = self.gemv_res(down, rscale, next.0, ss_slot(2 * l + 1))?;
+            } else {
+                self.proj_residual(m, down, po(&lw.down_bias), (pw, pb), rscale, next, 1)?;
+            }
         }
 
         // Logits of the last row.
         let head = self.w.lm_head.as_ref().unwrap_or(&self.w.embed);
         let last = xn + 2 * ((m - 1) * h) as u64;
         let logits = p(&b.logits);
-        self.matmul(1, last, g.ptr(head), c.vocab, h, logits)?;
+        self.gemv(last, g.ptr(head), c.vocab, h, logits, (pending_ss, 0))?;
         g.launch(
             &f.argmax_partial,
             (ARGMAX_BLOCKS as u32, 1, 1),
@@ -1059,6 +1155,7 @@ impl DenseModel {
 
     /// The qkv projection, q/k norms, RoPE and the cache write of `m` rows; q goes to the f32
     /// buffer, or stacked as bf16 for the GEMM attention (`stacked`).
+    #[allow(clippy::too_many_arguments)]
     fn qkv_rope(
         &self,
         m: usize,
@@ -1067,6 +1164,7 @@ impl DenseModel {
         spec: &LayerSpec,
         l: usize,
         stacked: bool,
+        norm: (u64, u64),
     ) -> Result<()> {
         let (g, c, f, b) = (&*self.gpu, &self.cfg, &self.f, &self.b);
         let (h, hd) = (c.hidden, c.head_dim);
@@ -1075,7 +1173,11 @@ impl DenseModel {
         let nb = (h.next_power_of_two().clamp(32, 1024)) as u32;
         let po = |s: &Option<CudaSlice<f32>>| s.as_ref().map_or(0, |s| g.ptr(s));
         let qkv = g.ptr(&b.qkv);
-        self.matmul(m, g.ptr(&b.xn), g.ptr(&lw.qkv), qkvd, h, qkv)?;
+        if m == 1 {
+            self.gemv(g.ptr(&b.xn), g.ptr(&lw.qkv), qkvd, h, qkv, norm)?;
+        } else {
+            self.matmul(m, g.ptr(&b.xn), g.ptr(&lw.qkv), qkvd, h, qkv)?;
+        }
         if c.qk_norm == QkNormKind::Whole {
             for (off, len, w) in [(0, qd, &lw.q_norm), (qd, kvd, &lw.k_norm)] {
                 g.launch(
@@ -1251,6 +1353,51 @@ impl DenseModel {
         }
         self.matmul(m, inp, w, h, k, y)?;
         self.residual(m, y, bias, post, rscale, next)
+    }
+
+    /// Decode's `x += rscale * inp . W^T` in the GEMV's epilogue, leaving `xn = bf16(nw * x)`
+    /// and (with a norm) its sum of squares in `ss` for the next GEMV to finish the RMSNorm.
+    /// Returns the sum the next GEMV scales by (0 without a norm).
+    fn gemv_res(
+        &self,
+        (inp, w, k): (u64, u64, usize),
+        rscale: f32,
+        nw: u64,
+        ss: u64,
+    ) -> Result<u64> {
+        let (g, h) = (&*self.gpu, self.cfg.hidden);
+        let ss = if nw != 0 { ss } else { 0 };
+        g.launch(
+            &self.f.gemv_res,
+            (h.div_ceil(2) as u32, 1, 1),
+            128,
+            &[
+                Arg::Ptr(w),
+                Arg::I32(h as i32),
+                Arg::I32(k as i32),
+                Arg::Ptr(inp),
+                Arg::Ptr(g.ptr(&self.b.x)),
+                Arg::F32(rscale),
+                Arg::Ptr(nw),
+                Arg::Ptr(g.ptr(&self.b.xn)),
+                Arg::Ptr(ss),
+            ],
+        )?;
+        Ok(ss)
+    }
+
+    /// Decode attention's split count when the splits share the actual context (see
+    /// `Tuning::decode_splits`); `None`: fixed-size splits over the whole cache.
+    fn decode_splits(&self) -> Option<usize> {
+        let c = &self.cfg;
+        let max = self.max_context.div_ceil(self.tuning.decode_chunk);
+        let tiles = c.n_kv_heads * (c.n_heads / c.n_kv_heads).div_ceil(ATT_ROWS);
+        let n = match self.tuning.decode_splits {
+            Some(0) => return None,
+            Some(n) => n,
+            None => (DECODE_BLOCKS / tiles).max(1),
+        };
+        Some(n.clamp(1, max))
     }
 
     /// `x += rscale * post(y + bias)`, then `xn = next_norm(x)` (identity when absent), per row.

@@ -33,7 +33,19 @@ attn_partial(const float* __restrict__ q, const bf16* __restrict__ kc, const bf1
     const int n_rows = m * group;
     const int r0 = blockIdx.y * ATT_ROWS;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int s_lo = split * chunk, s_hi = s_lo + chunk - 1;
+    // chunk > 0: split s takes keys [s * chunk, (s + 1) * chunk). chunk == 0 (decode, one token):
+    // the splits share the keys this token sees, in whole tiles, so the grid stays sized to the
+    // chip while each block's work follows the actual context.
+    int s_lo;
+    if (chunk > 0) {
+        s_lo = split * chunk;
+    } else {
+        const int p = pos[m - 1];
+        const int base = window > 0 ? max(p + 1 - window, 0) : 0;
+        chunk = ((p + 1 - base + n_splits - 1) / n_splits + KT - 1) / KT * KT;
+        s_lo = base + split * chunk;
+    }
+    const int s_hi = s_lo + chunk - 1;
 
     // Each row's key range, clipped to this split.
     if (threadIdx.x < ATT_ROWS) {

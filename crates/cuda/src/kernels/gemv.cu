@@ -90,16 +90,27 @@ __device__ __forceinline__ void block_dot(const bf16* __restrict__ W, const long
     }
 }
 
+// Deferred RMSNorm (decode): the input x holds bf16(w * v) of the residual stream v, and `ss` the
+// sum of squares of v (accumulated by the producing gemv_res); the dot product times
+// 1/sqrt(ss/n + eps) is the dot with the normalized input. Null `ss`: no scale. Block 0 also
+// zeroes `zero`, the sum the next gemv_res accumulates (that kernel starts after this one ends).
+__device__ __forceinline__ float norm_scale(const float* ss, float inv_n, float eps, float* zero) {
+    if (zero && blockIdx.x == 0) *zero = 0.0f;
+    return ss ? 1.0f / sqrtf(*ss * inv_n + eps) : 1.0f;
+}
+
 // y[n] (f32) = W[n, k] x.  Two rows per block.
 extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
-gemv_f32(const bf16* __restrict__ W, int n, int k, const bf16* __restrict__ x, float* __restrict__ y) {
+gemv_f32(const bf16* __restrict__ W, int n, int k, const bf16* __restrict__ x, float* __restrict__ y,
+         const float* __restrict__ ss, float inv_n, float eps, float* __restrict__ zero) {
     const int row = blockIdx.x * 2;
     long long off[2] = {(long long)row * k, (long long)min(row + 1, n - 1) * k};
     float acc[2];
     block_dot<2>(W, off, k, x, acc);
     if (threadIdx.x == 0) {
-        y[row] = acc[0];
-        if (row + 1 < n) y[row + 1] = acc[1];
+        const float sc = norm_scale(ss, inv_n, eps, zero);
+        y[row] = acc[0] * sc;
+        if (row + 1 < n) y[row + 1] = acc[1] * sc;
     }
 }
 
@@ -107,13 +118,15 @@ gemv_f32(const bf16* __restrict__ W, int n, int k, const bf16* __restrict__ x, f
 // bf16, the gate and up rows of one output in the same block.
 extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
 gemv_glu(const bf16* __restrict__ W, int ff, int k, const bf16* __restrict__ x,
-         const float* __restrict__ bias, int act, bf16* __restrict__ out) {
+         const float* __restrict__ bias, int act, bf16* __restrict__ out,
+         const float* __restrict__ ss, float inv_n, float eps, float* __restrict__ zero) {
     const int i = blockIdx.x;
     long long off[2] = {(long long)i * k, (long long)(ff + i) * k};
     float acc[2];
     block_dot<2>(W, off, k, x, acc);
     if (threadIdx.x == 0) {
-        float g = acc[0], u = acc[1];
+        const float sc = norm_scale(ss, inv_n, eps, zero);
+        float g = acc[0] * sc, u = acc[1] * sc;
         if (bias) { g += bias[i]; u += bias[ff + i]; }
         out[i] = f2bf(activate(g, act) * u);
     }
@@ -122,14 +135,17 @@ gemv_glu(const bf16* __restrict__ W, int ff, int k, const bf16* __restrict__ x,
 // Plain MLP: out[i] = act(W_i . x + b_i) as bf16, two rows per block.
 extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
 gemv_act(const bf16* __restrict__ W, int n, int k, const bf16* __restrict__ x,
-         const float* __restrict__ bias, int act, bf16* __restrict__ out) {
+         const float* __restrict__ bias, int act, bf16* __restrict__ out,
+         const float* __restrict__ ss, float inv_n, float eps, float* __restrict__ zero) {
     const int row = blockIdx.x * 2;
     long long off[2] = {(long long)row * k, (long long)min(row + 1, n - 1) * k};
     float acc[2];
     block_dot<2>(W, off, k, x, acc);
     if (threadIdx.x == 0) {
-        out[row] = f2bf(activate(acc[0] + (bias ? bias[row] : 0.0f), act));
-        if (row + 1 < n) out[row + 1] = f2bf(activate(acc[1] + (bias ? bias[row + 1] : 0.0f), act));
+        const float sc = norm_scale(ss, inv_n, eps, zero);
+        out[row] = f2bf(activate(acc[0] * sc + (bias ? bias[row] : 0.0f), act));
+        if (row + 1 < n)
+            out[row + 1] = f2bf(activate(acc[1] * sc + (bias ? bias[row + 1] : 0.0f), act));
     }
 }
 
@@ -142,7 +158,8 @@ gemv_qkv_rope(const bf16* __restrict__ W, int k, const bf16* __restrict__ x,
               const float* __restrict__ bias, const int* __restrict__ pos, int n_heads, int n_kv,
               int hd, const float* __restrict__ inv_freq, int rot, int interleaved,
               float pos_scale, float in_scale, float q_scale, float* __restrict__ q_out,
-              bf16* __restrict__ k_cache, bf16* __restrict__ v_cache) {
+              bf16* __restrict__ k_cache, bf16* __restrict__ v_cache, const float* __restrict__ ss,
+              float inv_n, float eps, float* __restrict__ zero) {
     const int half_hd = hd >> 1;
     const int head = blockIdx.x / half_hd, j = blockIdx.x % half_hd;
     const bool is_v = head >= n_heads + n_kv;
@@ -161,8 +178,9 @@ gemv_qkv_rope(const bf16* __restrict__ W, int k, const bf16* __restrict__ x,
     float acc[2];
     block_dot<2>(W, off, k, x, acc);
     if (threadIdx.x != 0) return;
-    float x1 = acc[0] + (bias ? bias[ra] : 0.0f);
-    float x2 = acc[1] + (bias ? bias[rb] : 0.0f);
+    const float sc = norm_scale(ss, inv_n, eps, zero);
+    float x1 = acc[0] * sc + (bias ? bias[ra] : 0.0f);
+    float x2 = acc[1] * sc + (bias ? bias[rb] : 0.0f);
     const int p = pos[0];
     if (rotate) {
         // sincosf's slow path for large angles needs a stack frame; reduce by 2*pi (Cody-Waite,
@@ -235,5 +253,34 @@ gemv_residual(const bf16* __restrict__ W, int n, int k, const bf16* __restrict__
         const float v = __ldcg(x + i);
         const float y = layer ? ((v - mean) * r) * nw[i] + nb[i] : nw[i] * (v * r);
         xn[i] = f2bf(y);
+    }
+}
+
+// A projection that feeds the residual stream (decode, no bias, no post-norm), with the residual
+// add in its epilogue and no serial tail: each block owns two rows, x[row] += rscale * (W xin)[row]
+// (f32), writes xz[row] = bf16(nw[row] * x[row]) (a copy without nw) and adds its rows' squares
+// into *ss; the next GEMV scales its dot products by 1/sqrt(*ss / n + eps) (norm_scale), which
+// finishes the RMSNorm. *ss is zeroed by the GEMV before this one.
+extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
+gemv_res(const bf16* __restrict__ W, int n, int k, const bf16* __restrict__ xin,
+         float* __restrict__ x, float rscale, const float* __restrict__ nw, bf16* __restrict__ xz,
+         float* __restrict__ ss) {
+    const int row = blockIdx.x * 2;
+    long long off[2] = {(long long)row * k, (long long)min(row + 1, n - 1) * k};
+    float acc[2];
+    block_dot<2>(W, off, k, xin, acc);
+    if (threadIdx.x == 0) {
+        float sq = 0.0f;
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            const int i = row + r;
+            if (i < n) {
+                const float v = x[i] + acc[r] * rscale;
+                x[i] = v;
+                xz[i] = f2bf(nw ? nw[i] * v : v);
+                sq = fmaf(v, v, sq);
+            }
+        }
+        if (ss) atomicAdd(ss, sq);
     }
 }

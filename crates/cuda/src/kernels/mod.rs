@@ -79,6 +79,7 @@ pub const GEMV: KernelSource = KernelSource {
         "gemv_act",
         "gemv_qkv_rope",
         "gemv_residual",
+        "gemv_res",
     ],
     hot: true,
     variants: &["UNROLL=2", "UNROLL=4", "UNROLL=8"],
