@@ -29,7 +29,8 @@ pub fn matmul_inner(
     );
 }
 
-/// The scalar path: each tile decoded by table look-up into f32, then multiplied.
+/// The scalar path: each tile decoded by table look-up into f32, then multiplied. Arguments are
+/// validated by its one caller, [`super::simd::matmul_inner_with`].
 pub(crate) fn matmul_inner_scalar(
     shape: &Exl3Shape,
     trellis: &[u8],
@@ -41,10 +42,6 @@ pub(crate) fn matmul_inner_scalar(
 ) {
     let k = shape.k;
     let width = 16 * (tn1 - tn0);
-    assert!(tn0 <= tn1 && tn1 <= shape.tiles_n());
-    assert_eq!(xh.len(), m * k);
-    assert_eq!(out.len(), m * width);
-    assert_eq!(trellis.len(), shape.trellis_bytes());
     let table = codebook::table(shape.codebook);
     out.fill(0.0);
     let mut tile = [0.0f32; 256];

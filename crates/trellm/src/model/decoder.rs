@@ -46,15 +46,6 @@ impl KvCache {
     pub fn rows(&self) -> usize {
         self.pad.len()
     }
-    /// Bytes held.
-    pub fn n_bytes(&self) -> usize {
-        self.k
-            .iter()
-            .chain(&self.v)
-            .flatten()
-            .map(|b| b.capacity() * 4)
-            .sum()
-    }
 }
 
 /// New queries per row from which prefill attention runs as matrix products.

@@ -75,10 +75,6 @@ impl Matrix {
         trellm_quant::dequantize(self.ty, self.row(r), out)
             .expect("row geometry validated at load");
     }
-
-    pub fn n_bytes(&self) -> usize {
-        self.row_bytes * self.rows
-    }
 }
 
 /// An EXL3 linear layer (`y = x W`, W `[k in][n out]`): the trellis stays in the memory map,
