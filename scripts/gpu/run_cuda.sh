@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One GPU run of the CUDA backend (issue 6): a smoke run of the tiny shape, the GPU-against-CPU
 # checks on every tiny fixture in several configurations (the default first; every optional
-# fusion, bf16 gate/up and one-token attention chunks; run 5's decode path with CUDA-core prefill
-# attention), and the Llama-3.1-8B-shape benchmark over a matrix of the TRELLM_CUDA_* switches (see crates/cuda/src/dense.rs, Tuning).
+# fusion, bf16 gate/up and one-token attention chunks; the split decode attention with CUDA-core
+# prefill attention), and the Llama-3.1-8B-shape benchmark over a matrix of the TRELLM_CUDA_* switches (see crates/cuda/src/dense.rs, Tuning).
 # Results go to $OUT.   run: bash scripts/gpu/run_cuda.sh   (binary at .device/trellm, carried)
 set -u
 BIN=${BIN:-.device/trellm}
@@ -15,27 +15,25 @@ cat "$OUT/gpu.txt"
 echo "== tiny shape"
 timeout 120 "$BIN" bench --device cuda --shape tiny --n-prompt 64 --context 32 --n-gen 16 -r 2 --json 2>&1 | tee "$OUT/tiny.json"
 
-# Each configuration: a label, then VAR=VALUE settings. "before" is run 5's default (separate
-# rope and residual+norm kernels, fixed 32-key attention splits over the whole cache); run 6 made
-# the rest the default (see crates/cuda/src/dense.rs, Tuning).
+# Each configuration: a label, then VAR=VALUE settings (see crates/cuda/src/dense.rs, Tuning).
+# "splits" is the decode path before run 9 (attention splits + a combine kernel, no cluster).
 CHECKS_FIRST=(
     "default"
 )
 CHECKS_MORE=(
-    "cuda_core_attn TRELLM_CUDA_ATTN_GEMM=0"
-    "fusions+gu_bf16+chunk1 TRELLM_CUDA_FUSE_COMBINE=1 TRELLM_CUDA_FUSE_RESIDUAL=1 TRELLM_CUDA_GU_BF16=1 TRELLM_CUDA_ATTN_BUDGET=8"
-    "before+cuda_core_attn TRELLM_CUDA_RES_EPI=0 TRELLM_CUDA_DECODE_SPLITS=0 TRELLM_CUDA_FUSE_ROPE=0 TRELLM_CUDA_ATTN_GEMM=0"
+    "splits+cuda_core_attn TRELLM_CUDA_CLUSTER=0 TRELLM_CUDA_ATTN_GEMM=0"
+    "cluster16+switch TRELLM_CUDA_CLUSTER=16 TRELLM_CUDA_CLUSTER_CTX=24"
+    "fusions+gu_bf16+chunk1 TRELLM_CUDA_FUSE_RESIDUAL=1 TRELLM_CUDA_GU_BF16=1 TRELLM_CUDA_ATTN_BUDGET=8"
 )
 BENCHES_FIRST=(
-    "before TRELLM_CUDA_RES_EPI=0 TRELLM_CUDA_DECODE_SPLITS=0 TRELLM_CUDA_FUSE_ROPE=0"
+    "splits TRELLM_CUDA_CLUSTER=0"
     "default"
 )
 BENCHES_MORE=(
-    "no_res_epi TRELLM_CUDA_RES_EPI=0"
-    "no_fuse_rope TRELLM_CUDA_FUSE_ROPE=0"
-    "fixed_splits TRELLM_CUDA_DECODE_SPLITS=0"
-    "splits16 TRELLM_CUDA_DECODE_SPLITS=16"
-    "fuse_combine TRELLM_CUDA_FUSE_COMBINE=1"
+    "o_prefetch TRELLM_CUDA_O_PREFETCH=1"
+    "cluster4 TRELLM_CUDA_CLUSTER=4"
+    "cluster16 TRELLM_CUDA_CLUSTER=16"
+    "gu_bf16 TRELLM_CUDA_GU_BF16=1"
     "default_again"
 )
 checks() {
@@ -58,6 +56,8 @@ benches() {
 }
 checks "${CHECKS_FIRST[@]}"
 benches "${BENCHES_FIRST[@]}"
-checks "${CHECKS_MORE[@]}"
-benches "${BENCHES_MORE[@]}"
+if [ -z "${QUICK:-}" ]; then  # QUICK=1: the default's checks and the two first benches only
+    checks "${CHECKS_MORE[@]}"
+    benches "${BENCHES_MORE[@]}"
+fi
 echo "== done (t=${SECONDS}s)"

@@ -105,6 +105,10 @@ pub struct BenchReport {
     /// Greedy ids of the first timed decode steps (a sanity check that logits are alive).
     pub decode_ids: Vec<u32>,
     pub logits_finite: bool,
+    /// Time per kernel of one decode step (at `context`) and of the prefill, each kernel timed
+    /// alone outside the graph (the sum exceeds the graph's time by the launch gaps).
+    pub decode_profile: Vec<crate::KernelTime>,
+    pub prefill_profile: Vec<crate::KernelTime>,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -231,6 +235,14 @@ pub fn run(shape_name: &str, o: &BenchOptions) -> Result<BenchReport> {
         per_mode.push((median(decode), gemv_ms));
     }
     gpu.set_pdl(pdl_default);
+    // Kernel profiles: PDL off so each kernel's span is its own.
+    gpu.set_pdl(false);
+    model.reset()?;
+    let prefill_profile = model.profile_prefill(&tokens[..o.n_prompt])?;
+    model.reset()?;
+    model.prefill(&tokens[..o.context])?;
+    let decode_profile = model.profile_decode_step()?;
+    gpu.set_pdl(pdl_default);
     let logits_finite = model.logits()?.iter().all(|v| v.is_finite());
     let decode_ms = per_mode[0].0.min(per_mode[1].0);
     let bytes = cfg.decode_weight_bytes();
@@ -251,5 +263,7 @@ pub fn run(shape_name: &str, o: &BenchOptions) -> Result<BenchReport> {
         gemv_only_ms_pdl: per_mode[1].1,
         decode_ids,
         logits_finite,
+        decode_profile,
+        prefill_profile,
     })
 }

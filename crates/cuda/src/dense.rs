@@ -409,6 +409,8 @@ const DECODE_CHUNK: usize = 32;
 /// Decode attention blocks to aim for when the splits share the actual context (H200 runs 6-7:
 /// 256 blocks, one 32-key tile each at ctx 512-640, beat 128 and 512).
 const DECODE_BLOCKS: usize = 256;
+/// Rotary pairs per block of the qkv GEMV with rope (`QKV_PAIRS` in gemv.cu).
+const QKV_PAIRS: usize = 2;
 /// Query rows per attention block (`ATT_ROWS` in attention.cu).
 const ATT_ROWS: usize = 4;
 
@@ -416,17 +418,26 @@ const ATT_ROWS: usize = 4;
 /// with rope in its epilogue (`TRELLM_CUDA_FUSE_ROPE=0` off), the residual adds in the o/down
 /// GEMVs with the next RMSNorm deferred into the next GEMV (`TRELLM_CUDA_RES_EPI=0` off), and
 /// decode attention splits sized to the chip over the actual context
-/// (`TRELLM_CUDA_DECODE_SPLITS=0`: fixed splits over the whole cache). The other decode fusions
-/// are off by default: on the H200 (Llama-3.1-8B shape, ctx 512) the last-block-done combine
-/// cost +0.28 ms a token and the last-block residual + norm +1.1 ms (one SM runs the serial tail
-/// while the rest of the chip idles; scripts/gpu/NOTES.md, run 5). `TRELLM_CUDA_FUSE_COMBINE=1`,
-/// `TRELLM_CUDA_FUSE_RESIDUAL=1` turn them on.
+/// (`TRELLM_CUDA_DECODE_SPLITS=0`: fixed splits over the whole cache); run 9 the cluster
+/// attention for short contexts (`TRELLM_CUDA_CLUSTER=0` off). The last-block residual + norm
+/// stays off by default: on the H200 (Llama-3.1-8B shape, ctx 512) it cost +1.1 ms a token (one
+/// SM runs the serial tail while the rest of the chip idles; scripts/gpu/NOTES.md, run 5);
+/// `TRELLM_CUDA_FUSE_RESIDUAL=1` turns it on.
 #[derive(Debug, Clone, Copy)]
 struct Tuning {
     /// RoPE and the cache write in the qkv GEMV's epilogue (no q/k norms).
     fuse_rope: bool,
-    /// The split merge in the attention kernel's last block.
-    fuse_combine: bool,
+    /// Blocks per thread-block cluster of decode attention (`TRELLM_CUDA_CLUSTER`, 2..=8;
+    /// 0 = off): the splits of a kv head merge through distributed shared memory instead of a
+    /// combine kernel. Used while the context is at most `cluster_ctx` positions
+    /// (`TRELLM_CUDA_CLUSTER_CTX`); longer contexts replay a graph with the split count sized to
+    /// the chip and the combine kernel.
+    cluster: usize,
+    cluster_ctx: usize,
+    /// Decode's o projection starts during attention (PDL) and pulls its weights into L2 while
+    /// attention, which leaves memory idle, runs (`TRELLM_CUDA_O_PREFETCH=1`; off by default:
+    /// +0.06 ms a token on the H200, run 9).
+    o_prefetch: bool,
     /// The residual add and next norm in the o/down GEMV's epilogue and last block.
     fuse_residual: bool,
     /// Prefill's gate/up GEMM writes bf16 instead of f32 (`TRELLM_CUDA_GU_BF16=1`).
@@ -453,7 +464,11 @@ impl Tuning {
             .unwrap_or(DECODE_CHUNK);
         Tuning {
             fuse_rope: std::env::var("TRELLM_CUDA_FUSE_ROPE").as_deref() != Ok("0"),
-            fuse_combine: on("TRELLM_CUDA_FUSE_COMBINE"),
+            cluster: env_usize("TRELLM_CUDA_CLUSTER")
+                .filter(|&c| c == 0 || (2..=8).contains(&c))
+                .unwrap_or(DECODE_CLUSTER),
+            cluster_ctx: env_usize("TRELLM_CUDA_CLUSTER_CTX").unwrap_or(DECODE_CLUSTER_CTX),
+            o_prefetch: on("TRELLM_CUDA_O_PREFETCH"),
             fuse_residual: on("TRELLM_CUDA_FUSE_RESIDUAL"),
             gu_bf16: on("TRELLM_CUDA_GU_BF16"),
             attn_budget: std::env::var("TRELLM_CUDA_ATTN_BUDGET")
@@ -469,6 +484,13 @@ impl Tuning {
         }
     }
 }
+fn env_usize(k: &str) -> Option<usize> {
+    std::env::var(k).ok().and_then(|v| v.parse::<usize>().ok())
+}
+/// Decode attention's cluster size and the longest context it is used for (see
+/// `Tuning::cluster`).
+const DECODE_CLUSTER: usize = 8;
+const DECODE_CLUSTER_CTX: usize = 1024;
 const ARGMAX_BLOCKS: usize = 128;
 /// Elements of the prefill attention's score buffer (f32; the bf16 probabilities match it).
 const ATTN_SCORE_BUDGET: usize = 1 << 25;
@@ -523,8 +545,6 @@ struct Buffers {
     o_stacked: CudaSlice<u16>,
     scores: CudaSlice<f32>,
     probs: CudaSlice<u16>,
-    /// Decode attention's last-split-done counters (zero between launches).
-    attn_counters: CudaSlice<i32>,
     /// The residual GEMVs' last-block counters (o, down).
     res_counters: CudaSlice<i32>,
     /// Decode's deferred-norm sums of squares: layer l's o GEMV fills slot 2l, its down GEMV
@@ -544,7 +564,8 @@ pub struct DenseModel {
     f: Funcs,
     b: Buffers,
     len: usize,
-    graph: Option<CudaGraph>,
+    /// The decode graphs, captured on first use: [split attention + combine, cluster attention].
+    graphs: [Option<CudaGraph>; 2],
     /// Prefill attention as cuBLAS GEMMs (`TRELLM_CUDA_ATTN_GEMM=0`: the CUDA-core kernel).
     attn_gemm: bool,
     /// Query tokens per chunk of the GEMM attention (bounds the score buffer).
@@ -560,6 +581,8 @@ struct Inputs {
     pos: u64,
     /// Decode: GEMV, many attention splits, and the argmax advances the position.
     decode: bool,
+    /// Decode attention as one cluster launch (see `Tuning::cluster`).
+    cluster: bool,
     /// Keys in the cache once these rows are written (positions are `kv_len - m..kv_len`).
     kv_len: usize,
 }
@@ -608,7 +631,6 @@ impl DenseModel {
         let splits = max_context.div_ceil(tuning.decode_chunk);
         let part_rows = (t * cfg.n_heads).max(cfg.n_heads * splits);
         let kv = max_context * cfg.kv_dim();
-        let group = cfg.n_heads / cfg.n_kv_heads;
         let attn_rows = (tuning.attn_budget / (cfg.n_heads * max_context)).clamp(1, t);
         let score_elems = cfg.n_heads * attn_rows * (max_context + 8);
         let b = Buffers {
@@ -640,7 +662,6 @@ impl DenseModel {
             o_stacked: gpu.alloc(t * cfg.q_dim())?,
             scores: gpu.alloc(score_elems)?,
             probs: gpu.alloc(score_elems)?,
-            attn_counters: gpu.alloc(cfg.n_kv_heads * group.div_ceil(ATT_ROWS))?,
             res_counters: gpu.alloc(2)?,
             ss: gpu.alloc(2 * cfg.n_layers())?,
         };
@@ -653,7 +674,7 @@ impl DenseModel {
             f,
             b,
             len: 0,
-            graph: None,
+            graphs: [None, None],
             attn_gemm: std::env::var("TRELLM_CUDA_ATTN_GEMM").as_deref() != Ok("0"),
             attn_rows,
             tuning,
@@ -698,6 +719,7 @@ impl DenseModel {
                 tokens: g.ptr(&self.b.tokens),
                 pos: g.ptr(&self.b.pos),
                 decode: false,
+                cluster: false,
                 kv_len: self.len + n,
             };
             self.enqueue(inp)?;
@@ -724,12 +746,44 @@ impl DenseModel {
             "context full ({} positions)",
             self.max_context
         );
-        if self.graph.is_none() {
-            self.graph = Some(self.capture()?);
+        let cluster = self.cluster_attention(self.len + 1);
+        let slot = cluster as usize;
+        if self.graphs[slot].is_none() {
+            self.graphs[slot] = Some(self.capture(cluster)?);
         }
-        self.graph.as_ref().unwrap().launch()?;
+        self.graphs[slot].as_ref().unwrap().launch()?;
         self.len += 1;
         Ok(())
+    }
+
+    /// One decode step outside the graph with every kernel timed (for `bench`): the step's
+    /// kernels are queued behind a spin so the device never waits on the host.
+    pub fn profile_decode_step(&mut self) -> Result<Vec<crate::KernelTime>> {
+        ensure!(
+            self.len < self.max_context,
+            "context full ({} positions)",
+            self.max_context
+        );
+        let g = self.gpu.clone();
+        let inp = self.decode_inputs(self.cluster_attention(self.len + 1));
+        g.spin(20.0)?;
+        g.start_profile();
+        let r = self.enqueue(inp);
+        let prof = g.finish_profile();
+        r?;
+        self.len += 1;
+        prof
+    }
+
+    /// [`DenseModel::prefill`] with every kernel and cuBLAS call timed.
+    pub fn profile_prefill(&mut self, tokens: &[u32]) -> Result<Vec<crate::KernelTime>> {
+        let g = self.gpu.clone();
+        g.spin(20.0)?;
+        g.start_profile();
+        let r = self.prefill(tokens);
+        let prof = g.finish_profile();
+        r?;
+        prof
     }
 
     /// Enqueues `steps` decode steps back to back (no host synchronisation).
@@ -740,15 +794,27 @@ impl DenseModel {
         Ok(())
     }
 
-    fn capture(&mut self) -> Result<CudaGraph> {
-        let g = self.gpu.clone();
-        let inp = Inputs {
+    /// Whether a decode step over `ctx` positions runs the cluster attention.
+    fn cluster_attention(&self, ctx: usize) -> bool {
+        let t = &self.tuning;
+        t.cluster >= 2 && ctx <= t.cluster_ctx && self.gpu.sm90_or_newer()
+    }
+
+    fn decode_inputs(&self, cluster: bool) -> Inputs {
+        let g = &self.gpu;
+        Inputs {
             m: 1,
             tokens: g.ptr(&self.b.tok),
             pos: g.ptr(&self.b.dpos),
             decode: true,
+            cluster,
             kv_len: 0,
-        };
+        }
+    }
+
+    fn capture(&mut self, cluster: bool) -> Result<CudaGraph> {
+        let g = self.gpu.clone();
+        let inp = self.decode_inputs(cluster);
         g.sync()?;
         g.stream
             .begin_capture(dsys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
@@ -766,7 +832,7 @@ impl DenseModel {
     /// Drops the captured decode graph (the next step captures anew, e.g. after
     /// [`Gpu::set_pdl`]).
     pub fn recapture(&mut self) {
-        self.graph = None;
+        self.graphs = [None, None];
     }
 
     /// A graph of only the decode step's weight streaming: every layer's GEMVs and the output
@@ -934,7 +1000,9 @@ impl DenseModel {
             ],
         )?;
         let group = c.n_heads / c.n_kv_heads;
-        let (chunk, splits) = if inp.decode {
+        let (chunk, splits) = if inp.decode && inp.cluster {
+            (0, self.tuning.cluster)
+        } else if inp.decode {
             match self.decode_splits() {
                 Some(n) => (0, n),
                 None => {
@@ -964,7 +1032,7 @@ impl DenseModel {
                 let na = self.norm_args(qkv_norm);
                 g.launch(
                     &f.gemv_qkv_rope,
-                    ((qkvd / 2) as u32, 1, 1),
+                    ((qkvd / 2).div_ceil(QKV_PAIRS) as u32, 1, 1),
                     128,
                     &[
                         Arg::Ptr(g.ptr(&lw.qkv)),
@@ -996,8 +1064,8 @@ impl DenseModel {
             if gemm_attn {
                 self.attention_gemm(m, &inp, spec, kc, vc)?;
             } else {
-                let fused = m == 1 && self.tuning.fuse_combine;
-                g.launch(
+                let fused = inp.decode && inp.cluster;
+                g.launch_with(
                     &f.attn_partial,
                     (
                         c.n_kv_heads as u32,
@@ -1005,6 +1073,10 @@ impl DenseModel {
                         splits as u32,
                     ),
                     128,
+                    crate::Launch {
+                        cluster: fused.then_some((1, 1, splits as u32)),
+                        pdl: false,
+                    },
                     &[
                         Arg::Ptr(p(&b.q)),
                         Arg::Ptr(kc),
@@ -1020,14 +1092,13 @@ impl DenseModel {
                         Arg::Ptr(p(&b.part_acc)),
                         Arg::Ptr(p(&b.part_ml)),
                         Arg::Ptr(if fused { g.ptr(&b.attn) } else { 0 }),
-                        Arg::Ptr(if fused { g.ptr(&b.attn_counters) } else { 0 }),
                     ],
                 )?;
                 if !fused {
                     g.launch(
                         &f.attn_combine,
                         ((m * c.n_heads) as u32, 1, 1),
-                        hd.clamp(32, 128) as u32,
+                        hd.min(128).next_multiple_of(32) as u32,
                         &[
                             Arg::Ptr(p(&b.part_acc)),
                             Arg::Ptr(p(&b.part_ml)),
@@ -1041,7 +1112,8 @@ impl DenseModel {
             let (nw, nbias) = pn(&lw.ffn_norm);
             let o = (g.ptr(&b.attn), g.ptr(&lw.o), qd);
             if epi {
-                pending_ss = self.gemv_res(o, rscale, nw, ss_slot(2 * l))?;
+                let prefetch = inp.decode && self.tuning.o_prefetch;
+                pending_ss = self.gemv_res(o, rscale, nw, ss_slot(2 * l), prefetch)?;
             } else {
                 self.proj_residual(m, o, po(&lw.o_bias), (pw, pb), rscale, (nw, nbias), 0)?;
             }
@@ -1089,7 +1161,7 @@ impl DenseModel {
                 gemm(g, m, c.gate_up_rows(), h, xn, g.ptr(&lw.gate_up), gu, out_t)?;
                 g.launch(
                     &f.act_rows,
-                    (ff.div_ceil(256) as u32, m as u32, 1),
+                    (ff.div_ceil(4 * 256) as u32, m as u32, 1),
                     256,
                     &[
                         Arg::Ptr(gu),
@@ -1109,7 +1181,7 @@ impl DenseModel {
             };
             let down = (act, g.ptr(&lw.down), ff);
             if epi {
-                pending_ss = self.gemv_res(down, rscale, next.0, ss_slot(2 * l + 1))?;
+                pending_ss = self.gemv_res(down, rscale, next.0, ss_slot(2 * l + 1), false)?;
             } else {
                 self.proj_residual(m, down, po(&lw.down_bias), (pw, pb), rscale, next, 1)?;
             }
@@ -1272,7 +1344,7 @@ impl DenseModel {
             )?;
             g.launch(
                 &f.attn_softmax,
-                (rows as u32, nkv as u32, 1),
+                (rows.div_ceil(8) as u32, nkv as u32, 1),
                 256,
                 &[
                     Arg::Ptr(sc),
@@ -1364,13 +1436,21 @@ impl DenseModel {
         rscale: f32,
         nw: u64,
         ss: u64,
+        prefetch: bool,
     ) -> Result<u64> {
         let (g, h) = (&*self.gpu, self.cfg.hidden);
         let ss = if nw != 0 { ss } else { 0 };
-        g.launch(
+        // `prefetch`: launched early (PDL) behind a latency-bound kernel, the blocks pull their
+        // rows into L2 while it runs.
+        let prefetch = prefetch && g.sm90_or_newer();
+        g.launch_with(
             &self.f.gemv_res,
             (h.div_ceil(2) as u32, 1, 1),
             128,
+            crate::Launch {
+                cluster: None,
+                pdl: prefetch,
+            },
             &[
                 Arg::Ptr(w),
                 Arg::I32(h as i32),
@@ -1381,6 +1461,7 @@ impl DenseModel {
                 Arg::Ptr(nw),
                 Arg::Ptr(g.ptr(&self.b.xn)),
                 Arg::Ptr(ss),
+                Arg::I32(prefetch as i32),
             ],
         )?;
         Ok(ss)
@@ -1455,30 +1536,32 @@ pub fn gemm(
     // Row-major Y = X W^T is column-major Y^T (n x m) = W (k x n)^T . X^T (k x m).
     // SAFETY: the pointers are live device buffers of the stated sizes; the handle runs on the
     // model's stream.
-    unsafe {
-        cudarc::cublas::result::gemm_ex(
-            *g.blas.handle(),
-            bsys::cublasOperation_t::CUBLAS_OP_T,
-            bsys::cublasOperation_t::CUBLAS_OP_N,
-            n as i32,
-            m as i32,
-            k as i32,
-            &alpha as *const f32 as *const _,
-            w as *const _,
-            bsys::cudaDataType::CUDA_R_16BF,
-            k as i32,
-            x as *const _,
-            bsys::cudaDataType::CUDA_R_16BF,
-            k as i32,
-            &beta as *const f32 as *const _,
-            y as *mut _,
-            out,
-            n as i32,
-            bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-        )
-    }
-    .map_err(|e| anyhow!("cublasGemmEx({m}x{n}x{k}): {e:?}"))
+    g.timed("cublas_gemm", || {
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *g.blas.handle(),
+                bsys::cublasOperation_t::CUBLAS_OP_T,
+                bsys::cublasOperation_t::CUBLAS_OP_N,
+                n as i32,
+                m as i32,
+                k as i32,
+                &alpha as *const f32 as *const _,
+                w as *const _,
+                bsys::cudaDataType::CUDA_R_16BF,
+                k as i32,
+                x as *const _,
+                bsys::cudaDataType::CUDA_R_16BF,
+                k as i32,
+                &beta as *const f32 as *const _,
+                y as *mut _,
+                out,
+                n as i32,
+                bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| anyhow!("cublasGemmEx({m}x{n}x{k}): {e:?}"))
+    })
 }
 
 /// One cuBLAS strided-batched GEMM (column-major, f32 accumulation): `c = op(a) . op(b)`, each
@@ -1495,32 +1578,34 @@ fn gemm_batched(
     let (alpha, beta) = (1.0f32, 0.0f32);
     // SAFETY: the pointers are live device buffers holding every batch at the stated strides;
     // the handle runs on the model's stream.
-    unsafe {
-        cudarc::cublas::result::gemm_strided_batched_ex(
-            *g.blas.handle(),
-            ops.0,
-            ops.1,
-            m as i32,
-            n as i32,
-            k as i32,
-            &alpha as *const f32 as *const _,
-            a.0 as *const _,
-            a.1,
-            a.2 as i32,
-            a.3 as i64,
-            b.0 as *const _,
-            b.1,
-            b.2 as i32,
-            b.3 as i64,
-            &beta as *const f32 as *const _,
-            c.0 as *mut _,
-            c.1,
-            c.2 as i32,
-            c.3 as i64,
-            batch as i32,
-            bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-        )
-    }
-    .map_err(|e| anyhow!("cublasGemmStridedBatchedEx({m}x{n}x{k} x{batch}): {e:?}"))
+    g.timed("cublas_gemm_batched", || {
+        unsafe {
+            cudarc::cublas::result::gemm_strided_batched_ex(
+                *g.blas.handle(),
+                ops.0,
+                ops.1,
+                m as i32,
+                n as i32,
+                k as i32,
+                &alpha as *const f32 as *const _,
+                a.0 as *const _,
+                a.1,
+                a.2 as i32,
+                a.3 as i64,
+                b.0 as *const _,
+                b.1,
+                b.2 as i32,
+                b.3 as i64,
+                &beta as *const f32 as *const _,
+                c.0 as *mut _,
+                c.1,
+                c.2 as i32,
+                c.3 as i64,
+                batch as i32,
+                bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| anyhow!("cublasGemmStridedBatchedEx({m}x{n}x{k} x{batch}): {e:?}"))
+    })
 }

@@ -25,7 +25,8 @@ use std::sync::{Arc, Mutex};
 use anyhow::{anyhow, bail, Context, Result};
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{
-    result as dres, sys as dsys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream,
+    result as dres, sys as dsys, CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice,
+    CudaStream,
 };
 use cudarc::driver::{DevicePtr, DeviceRepr, ValidAsZeroBits};
 
@@ -86,6 +87,29 @@ pub struct Gpu {
     modules: Mutex<HashMap<String, Arc<CudaModule>>>,
     /// Launch with programmatic dependent launch (sm_90+; `TRELLM_CUDA_PDL=0` turns it off).
     pdl: AtomicBool,
+    /// Kernel names by function handle, for the profile.
+    names: Mutex<HashMap<usize, String>>,
+    /// While profiling: every launch and cuBLAS call since [`Gpu::start_profile`], between two
+    /// events.
+    profile: Mutex<Option<Vec<(String, CudaEvent, CudaEvent)>>>,
+}
+
+/// Launch options beyond grid and block.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Launch {
+    /// Blocks grouped in thread-block clusters of this shape (sm_90+).
+    pub cluster: Option<(u32, u32, u32)>,
+    /// Programmatic dependent launch for this kernel even when [`Gpu::pdl`] is off (sm_90+;
+    /// ignored below): it may start while its predecessor runs, up to its `griddepcontrol.wait`.
+    pub pdl: bool,
+}
+
+/// Time spent in one kernel (or cuBLAS call) over a profiled stretch of work.
+#[derive(Debug, Clone)]
+pub struct KernelTime {
+    pub name: String,
+    pub calls: usize,
+    pub ms: f64,
 }
 
 impl Gpu {
@@ -122,6 +146,8 @@ impl Gpu {
             pdl: AtomicBool::new(
                 major >= 9 && std::env::var("TRELLM_CUDA_PDL").as_deref() != Ok("0"),
             ),
+            names: Mutex::new(HashMap::new()),
+            profile: Mutex::new(None),
         })
     }
 
@@ -149,9 +175,62 @@ impl Gpu {
                 }
             }
         };
-        module
+        let f = module
             .load_function(name)
-            .with_context(|| format!("kernel {name} in {}", source.name))
+            .with_context(|| format!("kernel {name} in {}", source.name))?;
+        self.names
+            .lock()
+            .unwrap()
+            .insert(f.cu_function() as usize, name.to_string());
+        Ok(f)
+    }
+
+    /// Starts recording the time of every launch and cuBLAS call (outside graph capture only).
+    pub fn start_profile(&self) {
+        *self.profile.lock().unwrap() = Some(Vec::new());
+    }
+
+    /// Stops recording and returns the time per kernel name, in order of first launch. The times
+    /// are exact for work that was queued before the device reached it (see [`Gpu::spin`]).
+    pub fn finish_profile(&self) -> Result<Vec<KernelTime>> {
+        let spans = self.profile.lock().unwrap().take().unwrap_or_default();
+        self.sync()?;
+        let mut out: Vec<KernelTime> = Vec::new();
+        for (name, a, b) in spans {
+            let ms = a.elapsed_ms(&b)? as f64;
+            match out.iter_mut().find(|k| k.name == name) {
+                Some(k) => {
+                    k.calls += 1;
+                    k.ms += ms;
+                }
+                None => out.push(KernelTime { name, calls: 1, ms }),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Runs `f` (which enqueues work) between two events when profiling.
+    pub fn timed<R>(&self, name: &str, f: impl FnOnce() -> Result<R>) -> Result<R> {
+        if self.profile.lock().unwrap().is_none() {
+            return f();
+        }
+        let flags = Some(dsys::CUevent_flags::CU_EVENT_DEFAULT);
+        let a = self.ctx.new_event(flags)?;
+        a.record(&self.stream)?;
+        let r = f()?;
+        let b = self.ctx.new_event(flags)?;
+        b.record(&self.stream)?;
+        if let Some(spans) = self.profile.lock().unwrap().as_mut() {
+            spans.push((name.to_string(), a, b));
+        }
+        Ok(r)
+    }
+
+    /// Keeps the device busy for `ms` milliseconds, so that work enqueued next is all queued
+    /// before it starts (a profile then times kernels, not the host's launch rate).
+    pub fn spin(&self, ms: f64) -> Result<()> {
+        let f = self.function(&kernels::ELEMENTWISE, &[], "spin_ns")?;
+        self.launch(&f, (1, 1, 1), 32, &[Arg::U64((ms * 1e6) as u64)])
     }
 
     /// Launches `f` on the stream.
@@ -160,6 +239,40 @@ impl Gpu {
         f: &CudaFunction,
         grid: (u32, u32, u32),
         block: u32,
+        args: &[Arg],
+    ) -> Result<()> {
+        self.launch_with(f, grid, block, Launch::default(), args)
+    }
+
+    /// Launches `f` with the extra launch options `opt`.
+    pub fn launch_with(
+        &self,
+        f: &CudaFunction,
+        grid: (u32, u32, u32),
+        block: u32,
+        opt: Launch,
+        args: &[Arg],
+    ) -> Result<()> {
+        if self.profile.lock().unwrap().is_some() {
+            let name = self
+                .names
+                .lock()
+                .unwrap()
+                .get(&(f.cu_function() as usize))
+                .cloned();
+            return self.timed(name.as_deref().unwrap_or("?"), || {
+                self.launch_now(f, grid, block, opt, args)
+            });
+        }
+        self.launch_now(f, grid, block, opt, args)
+    }
+
+    fn launch_now(
+        &self,
+        f: &CudaFunction,
+        grid: (u32, u32, u32),
+        block: u32,
+        opt: Launch,
         args: &[Arg],
     ) -> Result<()> {
         let mut store: Vec<u64> = args
@@ -176,15 +289,31 @@ impl Gpu {
             .iter_mut()
             .map(|v| v as *mut u64 as *mut c_void)
             .collect();
-        if self.pdl() {
-            let mut attr = dsys::CUlaunchAttribute {
+        let mut attrs = Vec::new();
+        if self.pdl() || (opt.pdl && self.sm90_or_newer()) {
+            // SAFETY: an all-zero union is a valid value; the field is then set.
+            let mut value: dsys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
+            value.programmaticStreamSerializationAllowed = 1;
+            attrs.push(dsys::CUlaunchAttribute {
                 id:
                     dsys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
                 pad: [0; 4],
-                // SAFETY: an all-zero union is a valid value; the field is then set.
-                value: unsafe { std::mem::zeroed() },
-            };
-            attr.value.programmaticStreamSerializationAllowed = 1;
+                value,
+            });
+        }
+        if let Some((x, y, z)) = opt.cluster {
+            // SAFETY: as above.
+            let mut value: dsys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
+            value.clusterDim.x = x;
+            value.clusterDim.y = y;
+            value.clusterDim.z = z;
+            attrs.push(dsys::CUlaunchAttribute {
+                id: dsys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+                pad: [0; 4],
+                value,
+            });
+        }
+        if !attrs.is_empty() {
             let cfg = dsys::CUlaunchConfig {
                 gridDimX: grid.0,
                 gridDimY: grid.1,
@@ -194,10 +323,10 @@ impl Gpu {
                 blockDimZ: 1,
                 sharedMemBytes: 0,
                 hStream: self.stream.cu_stream(),
-                attrs: &mut attr,
-                numAttrs: 1,
+                attrs: attrs.as_mut_ptr(),
+                numAttrs: attrs.len() as u32,
             };
-            // SAFETY: as below; `cfg` and `attr` outlive the call.
+            // SAFETY: as below; `cfg` and `attrs` outlive the call.
             return unsafe {
                 dsys::cuLaunchKernelEx(
                     &cfg,
@@ -207,7 +336,7 @@ impl Gpu {
                 )
             }
             .result()
-            .context("kernel launch (PDL)");
+            .context("kernel launch (extended attributes)");
         }
         // SAFETY: the argument list matches the kernel's signature (each launcher is written
         // against its .cu source) and every pointer is a live device allocation.
@@ -232,8 +361,14 @@ impl Gpu {
     /// Turns programmatic dependent launch on or off (off below sm_90). Graphs captured before
     /// keep what they were captured with.
     pub fn set_pdl(&self, on: bool) {
-        let ok = self.arch.starts_with("sm_9") || self.arch.starts_with("sm_1");
-        self.pdl.store(on && ok, Ordering::Relaxed);
+        self.pdl
+            .store(on && self.sm90_or_newer(), Ordering::Relaxed);
+    }
+
+    /// Whether the device has sm_90's launch features (thread-block clusters, programmatic
+    /// dependent launch).
+    pub fn sm90_or_newer(&self) -> bool {
+        self.arch.starts_with("sm_9") || self.arch.starts_with("sm_1")
     }
 
     pub fn alloc<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {

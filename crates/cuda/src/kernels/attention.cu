@@ -1,7 +1,9 @@
 // Attention over the KV cache, flash-decoding style: each block takes one kv head, a tile of
 // query rows (token x head of that kv head's group, so K/V tiles are shared by the whole GQA
 // group) and one split of the key range; it writes unnormalized partial results (acc, max, sum)
-// that attn_combine merges. Used for decode (one token, many splits) and prefill (many tokens).
+// that attn_combine merges, or, in decode with the splits launched as one cluster, merges them
+// through distributed shared memory itself (cluster_merge). Used for decode (one token, many
+// splits) and prefill (many tokens).
 // Rows attend to keys [lo, pos] with lo = pos + 1 - window (sliding windows) or 0.
 // HEAD_DIM is fixed per model at compile time (-DHEAD_DIM=...).
 
@@ -10,23 +12,92 @@
 #endif
 #define HD HEAD_DIM
 #define ATT_WARPS 4
+#define ATT_THREADS (ATT_WARPS * 32)
 #define RPW 1                       // query rows per warp
 #define ATT_ROWS (ATT_WARPS * RPW)  // query rows per block
 #define KT 32                       // keys per tile: one per lane
 #define KW (HD / 2 + 1)             // words per K row in shared memory (padded: no bank conflicts)
 #define VW (HD / 2)                 // words per V row
 #define VPL ((VW + 31) / 32)        // V words per lane
+#define TILE_VECS ((KT * HD / 8 + ATT_THREADS - 1) / ATT_THREADS)  // 16-byte K (and V) loads per thread
 
-extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
+// Decode with the splits of one (kv head, row tile) as a thread-block cluster (sm_90+): each
+// block leaves its rows' partial (max, sum, acc) in shared memory, and after a cluster barrier
+// every block merges a share of the outputs from all blocks' shared memory (no second kernel,
+// no global round trip). The second barrier keeps each block's shared memory alive until every
+// peer has read it. (Merging all in the first block after the others pushed their partials
+// there was slower: H200 run 9.)
+#define MAX_CLUSTER 8
+__device__ __forceinline__ void cluster_merge(const float (&mx)[RPW], const float (&l)[RPW],
+                                              const float (&acc)[RPW][VPL][2], int r0, int n_rows,
+                                              int group, int kvh, int n_heads,
+                                              bf16* __restrict__ out) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    __shared__ float pml[ATT_ROWS][2];
+    __shared__ float pacc[ATT_ROWS][HD];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll
+    for (int j = 0; j < RPW; j++) {
+        const int rr = warp * RPW + j;
+        if (lane == 0) {
+            pml[rr][0] = mx[j];
+            pml[rr][1] = l[j];
+        }
+#pragma unroll
+        for (int v = 0; v < VPL; v++) {
+            const int w = lane + 32 * v;
+            if (w < VW) {
+                pacc[rr][2 * w] = acc[j][v][0];
+                pacc[rr][2 * w + 1] = acc[j][v][1];
+            }
+        }
+    }
+    cluster_sync();
+    const int n_blocks = (int)cluster_size(), rank = (int)cluster_rank();
+#pragma unroll 1
+    for (int i = rank * ATT_THREADS + threadIdx.x; i < ATT_ROWS * HD; i += n_blocks * ATT_THREADS) {
+        const int rr = i / HD, d = i % HD, r = r0 + rr;
+        if (r >= n_rows) break;
+        float m[MAX_CLUSTER], s[MAX_CLUSTER], a[MAX_CLUSTER];
+        float gm = NEG_INF;
+#pragma unroll
+        for (int c = 0; c < MAX_CLUSTER; c++) {
+            m[c] = NEG_INF;
+            s[c] = a[c] = 0.0f;
+            if (c < n_blocks) {
+                m[c] = ld_cluster(&pml[rr][0], c);
+                s[c] = ld_cluster(&pml[rr][1], c);
+                a[c] = ld_cluster(&pacc[rr][d], c);
+            }
+        }
+#pragma unroll
+        for (int c = 0; c < MAX_CLUSTER; c++)
+            if (s[c] > 0.0f) gm = fmaxf(gm, m[c]);
+        float den = 0.0f, num = 0.0f;
+#pragma unroll
+        for (int c = 0; c < MAX_CLUSTER; c++) {
+            const float wgt = s[c] > 0.0f ? expf(m[c] - gm) : 0.0f;
+            den = fmaf(s[c], wgt, den);
+            num = fmaf(a[c], wgt, num);
+        }
+        const int t = r / group, h = kvh * group + r % group;
+        out[((long long)t * n_heads + h) * HD + d] = f2bf(den > 0.0f ? num / den : 0.0f);
+    }
+    cluster_sync();
+#else
+    __trap();
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 1)
 attn_partial(const float* __restrict__ q, const bf16* __restrict__ kc, const bf16* __restrict__ vc,
              const int* __restrict__ pos, int m, int n_heads, int n_kv, int window, float softcap,
              int chunk, int n_splits, float* __restrict__ part_acc, float* __restrict__ part_ml,
-             bf16* __restrict__ out, int* __restrict__ counters) {
+             bf16* __restrict__ out) {
     GRID_SYNC();
     __shared__ float qs[ATT_ROWS][HD];
     __shared__ u32 ks[KT * KW];
     __shared__ __align__(16) u32 vs[KT * VW];
-    __shared__ int row_lo[ATT_ROWS], row_hi[ATT_ROWS];
 
     const int kvh = blockIdx.x, split = blockIdx.z;
     const int group = n_heads / n_kv;
@@ -47,37 +118,57 @@ attn_partial(const float* __restrict__ q, const bf16* __restrict__ kc, const bf1
     }
     const int s_hi = s_lo + chunk - 1;
 
-    // Each row's key range, clipped to this split.
-    if (threadIdx.x < ATT_ROWS) {
-        const int r = r0 + threadIdx.x;
-        int lo = 1, hi = 0;  // empty
-        if (r < n_rows) {
-            const int p = pos[r / group];
-            lo = window > 0 ? max(p + 1 - window, 0) : 0;
-            hi = p;
-            lo = max(lo, s_lo);
-            hi = min(hi, s_hi);
+    // The block's key range (the union over its tokens) first, so that the first tile's loads
+    // are in flight while the rows' ranges and queries are set up.
+    int k_begin = 0x7fffffff, k_end = -1;
+    {
+        const int t_first = r0 / group, t_last = (min(r0 + ATT_ROWS, n_rows) - 1) / group;
+        for (int t = t_first; t <= t_last; t++) {
+            const int p = pos[t];
+            const int lo = max(window > 0 ? max(p + 1 - window, 0) : 0, s_lo);
+            const int hi = min(p, s_hi);
+            if (lo <= hi) {
+                k_begin = min(k_begin, lo);
+                k_end = max(k_end, hi);
+            }
         }
-        row_lo[threadIdx.x] = lo;
-        row_hi[threadIdx.x] = hi;
     }
-    for (int i = threadIdx.x; i < ATT_ROWS * HD; i += blockDim.x) {
-        const int rr = i / HD, d = i % HD, r = r0 + rr;
-        float v = 0.0f;
+    // A tile's K/V loads go to registers one tile ahead: tile t+1 is in flight while t is
+    // multiplied (all of a thread's loads are issued before any is used).
+    uint4 kv[TILE_VECS], vv[TILE_VECS];
+    auto load_tile = [&](int k0) {
+#pragma unroll
+        for (int u = 0; u < TILE_VECS; u++) {
+            const int i = threadIdx.x + u * ATT_THREADS;
+            const int kk = i / (HD / 8), c = i % (HD / 8), key = k0 + kk;
+            kv[u] = vv[u] = make_uint4(0, 0, 0, 0);
+            if (i < KT * (HD / 8) && key <= k_end) {
+                const long long g = ((long long)key * n_kv + kvh) * HD + c * 8;
+                kv[u] = *(const uint4*)(kc + g);
+                vv[u] = *(const uint4*)(vc + g);
+            }
+        }
+    };
+    if (k_begin <= k_end) load_tile(k_begin);
+
+    // Each warp's rows: key range clipped to this split, and the query in shared memory.
+    int row_lo[RPW], row_hi[RPW];
+#pragma unroll
+    for (int j = 0; j < RPW; j++) {
+        const int rr = warp * RPW + j, r = r0 + rr;
+        row_lo[j] = 1;  // empty
+        row_hi[j] = 0;
         if (r < n_rows) {
             const int t = r / group, h = kvh * group + r % group;
-            v = q[((long long)t * n_heads + h) * HD + d];
-        }
-        qs[rr][d] = v;
-    }
-    __syncthreads();
-    int k_begin = 0x7fffffff, k_end = -1;
-    for (int rr = 0; rr < ATT_ROWS; rr++) {
-        if (row_lo[rr] <= row_hi[rr]) {
-            k_begin = min(k_begin, row_lo[rr]);
-            k_end = max(k_end, row_hi[rr]);
+            const int p = pos[t];
+            row_lo[j] = max(window > 0 ? max(p + 1 - window, 0) : 0, s_lo);
+            row_hi[j] = min(p, s_hi);
+            const float* qr = q + ((long long)t * n_heads + h) * HD;
+#pragma unroll
+            for (int d = lane; d < HD; d += 32) qs[rr][d] = qr[d];
         }
     }
+    __syncwarp();
 
     float mx[RPW], l[RPW], acc[RPW][VPL][2];
 #pragma unroll
@@ -90,33 +181,34 @@ attn_partial(const float* __restrict__ q, const bf16* __restrict__ kc, const bf1
 
     for (int k0 = k_begin; k0 <= k_end; k0 += KT) {
         __syncthreads();
-        for (int i = threadIdx.x; i < KT * (HD / 8); i += blockDim.x) {
-            const int kk = i / (HD / 8), c = i % (HD / 8), key = k0 + kk;
-            uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
-            if (key <= k_end) {
-                const long long g = ((long long)key * n_kv + kvh) * HD + c * 8;
-                kv = *(const uint4*)(kc + g);
-                vv = *(const uint4*)(vc + g);
+#pragma unroll
+        for (int u = 0; u < TILE_VECS; u++) {
+            const int i = threadIdx.x + u * ATT_THREADS;
+            if (i < KT * (HD / 8)) {
+                const int kk = i / (HD / 8), c = i % (HD / 8);
+                u32* kd = ks + kk * KW + c * 4;
+                kd[0] = kv[u].x; kd[1] = kv[u].y; kd[2] = kv[u].z; kd[3] = kv[u].w;
+                *(uint4*)(vs + kk * VW + c * 4) = vv[u];
             }
-            u32* kd = ks + kk * KW + c * 4;
-            kd[0] = kv.x; kd[1] = kv.y; kd[2] = kv.z; kd[3] = kv.w;
-            *(uint4*)(vs + kk * VW + c * 4) = vv;
         }
         __syncthreads();
+        if (k0 + KT <= k_end) load_tile(k0 + KT);
         const int key = k0 + lane;
 #pragma unroll
         for (int j = 0; j < RPW; j++) {
             const int rr = warp * RPW + j;
-            const int lo = row_lo[rr], hi = row_hi[rr];
+            const int lo = row_lo[j], hi = row_hi[j];
             if (lo > hi || k0 > hi || k0 + KT - 1 < lo) continue;  // warp-uniform
             const u32* kr = ks + lane * KW;
-            float s = 0.0f;
-#pragma unroll 8
+            // Four independent sums: the dot is a latency chain otherwise.
+            float s4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 16
             for (int w = 0; w < HD / 2; w++) {
                 const u32 kw = kr[w];
-                s = fmaf(qs[rr][2 * w], bflo(kw), s);
-                s = fmaf(qs[rr][2 * w + 1], bfhi(kw), s);
+                s4[(2 * w) & 3] = fmaf(qs[rr][2 * w], bflo(kw), s4[(2 * w) & 3]);
+                s4[(2 * w + 1) & 3] = fmaf(qs[rr][2 * w + 1], bfhi(kw), s4[(2 * w + 1) & 3]);
             }
+            float s = (s4[0] + s4[1]) + (s4[2] + s4[3]);
             if (softcap > 0.0f) s = tanhf(s / softcap) * softcap;
             const bool valid = key >= lo && key <= hi;
             s = valid ? s : NEG_INF;
@@ -130,9 +222,9 @@ attn_partial(const float* __restrict__ q, const bf16* __restrict__ kc, const bf1
                 acc[j][v][0] *= alpha;
                 acc[j][v][1] *= alpha;
             }
+#pragma unroll 8
             for (int kk = 0; kk < KT; kk++) {
                 const float pk = __shfl_sync(FULL_MASK, p, kk);
-                if (pk == 0.0f) continue;  // warp-uniform
                 const u32* vr = vs + kk * VW;
 #pragma unroll
                 for (int v = 0; v < VPL; v++) {
@@ -147,6 +239,10 @@ attn_partial(const float* __restrict__ q, const bf16* __restrict__ kc, const bf1
         }
     }
 
+    if (out) {
+        cluster_merge(mx, l, acc, r0, n_rows, group, kvh, n_heads, out);
+        return;
+    }
 #pragma unroll
     for (int j = 0; j < RPW; j++) {
         const int r = r0 + warp * RPW + j;
@@ -167,147 +263,136 @@ attn_partial(const float* __restrict__ q, const bf16* __restrict__ kc, const bf1
             }
         }
     }
-    if (!out) return;
-    // Fused combine: the last split of this (kv head, row tile) to finish merges all splits.
-    __shared__ int is_last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        int* c = counters + blockIdx.x * gridDim.y + blockIdx.y;
-        const int ticket = atomicAdd(c, 1);
-        is_last = ticket == n_splits - 1;
-        if (is_last) *c = 0;  // ready for the next launch (graph replay)
-    }
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();
-    // Each warp merges every ATT_WARPS-th split of a row; the warps' sums meet in shared memory.
-    __shared__ float red[ATT_WARPS][HD];
-    for (int rr = 0; rr < ATT_ROWS; rr++) {
-        const int r = r0 + rr;
-        if (r >= n_rows) break;  // block-uniform
-        const int t = r / group, h = kvh * group + r % group;
-        const long long row = (long long)t * n_heads + h;
-        const float* ml = part_ml + row * n_splits * 2;
-        float gm = NEG_INF;
-        for (int s = lane; s < n_splits; s += 32) {
-            const float2 v = __ldcg((const float2*)(ml + 2 * s));
-            if (v.y > 0.0f) gm = fmaxf(gm, v.x);
-        }
-        gm = warp_max(gm);
-        float den = 0.0f;
-        for (int s = lane; s < n_splits; s += 32) {
-            const float2 v = __ldcg((const float2*)(ml + 2 * s));
-            if (v.y > 0.0f) den += v.y * expf(v.x - gm);
-        }
-        den = warp_sum(den);
-        const float inv = den > 0.0f ? 1.0f / den : 0.0f;
-        float a[(HD + 31) / 32];
-#pragma unroll
-        for (int i = 0; i < (HD + 31) / 32; i++) a[i] = 0.0f;
-        // No branch on the split's emptiness (its acc is zeros), so the loads pipeline.
-#pragma unroll 4
-        for (int s = warp; s < n_splits; s += ATT_WARPS) {
-            const float2 v = __ldcg((const float2*)(ml + 2 * s));
-            const float wgt = v.y > 0.0f ? expf(v.x - gm) : 0.0f;
-            const float* pa = part_acc + (row * n_splits + s) * HD;
-#pragma unroll
-            for (int i = 0; i < (HD + 31) / 32; i++) {
-                const int d = lane + 32 * i;
-                if (d < HD) a[i] = fmaf(__ldcg(pa + d), wgt, a[i]);
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < (HD + 31) / 32; i++) {
-            const int d = lane + 32 * i;
-            if (d < HD) red[warp][d] = a[i];
-        }
-        __syncthreads();
-        for (int d = threadIdx.x; d < HD; d += blockDim.x) {
-            float sum = 0.0f;
-#pragma unroll
-            for (int w = 0; w < ATT_WARPS; w++) sum += red[w][d];
-            out[row * HD + d] = f2bf(sum * inv);
-        }
-        __syncthreads();
-    }
 }
 
-// One block per (token, head): merges the splits and writes the bf16 output row.
+// One block per (token, head), a multiple of 32 threads: merges the splits and writes the bf16
+// output row. Every warp
+// weighs 32 splits at a time (a lane per split); every thread then sums its dimensions over
+// those splits with all loads in flight at once (the merge is latency-bound, not byte-bound).
 extern "C" __global__ void attn_combine(const float* __restrict__ part_acc,
                                         const float* __restrict__ part_ml, int n_splits,
                                         bf16* __restrict__ out) {
     GRID_SYNC();
     const long long row = blockIdx.x;
-    const float* ml = part_ml + row * n_splits * 2;
+    const int lane = threadIdx.x & 31;
+    const float2* ml = (const float2*)(part_ml + row * n_splits * 2);
     float gm = NEG_INF;
-    for (int s = 0; s < n_splits; s++)
-        if (ml[2 * s + 1] > 0.0f) gm = fmaxf(gm, ml[2 * s]);
-    float denom = 0.0f;
-    for (int s = 0; s < n_splits; s++)
-        if (ml[2 * s + 1] > 0.0f) denom += ml[2 * s + 1] * expf(ml[2 * s] - gm);
-    const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
-    for (int d = threadIdx.x; d < HD; d += blockDim.x) {
-        float a = 0.0f;
-        for (int s = 0; s < n_splits; s++)
-            if (ml[2 * s + 1] > 0.0f)
-                a += part_acc[(row * n_splits + s) * HD + d] * expf(ml[2 * s] - gm);
-        out[row * HD + d] = f2bf(a * inv);
+    for (int s = lane; s < n_splits; s += 32) {
+        const float2 v = ml[s];
+        if (v.y > 0.0f) gm = fmaxf(gm, v.x);
+    }
+    gm = warp_max(gm);
+    constexpr int DPT = (HD + 31) / 32;  // dimensions per thread at the smallest block (32)
+    float a[DPT], den = 0.0f;
+#pragma unroll
+    for (int i = 0; i < DPT; i++) a[i] = 0.0f;
+    const float* pa = part_acc + row * n_splits * HD;
+    for (int s0 = 0; s0 < n_splits; s0 += 32) {
+        const int s = s0 + lane;
+        float wgt = 0.0f;
+        if (s < n_splits) {
+            const float2 v = ml[s];
+            wgt = v.y > 0.0f ? expf(v.x - gm) : 0.0f;
+            den += v.y * wgt;
+        }
+        const int n = min(32, n_splits - s0);
+#pragma unroll
+        for (int i = 0; i < DPT; i++) {
+            if (i * (int)blockDim.x >= HD) break;  // block-uniform: every lane shuffles below
+            const int d = threadIdx.x + i * blockDim.x;
+            float vals[32];
+#pragma unroll
+            for (int j = 0; j < 32; j++)
+                vals[j] = j < n && d < HD ? pa[(long long)(s0 + j) * HD + d] : 0.0f;
+#pragma unroll
+            for (int j = 0; j < 32; j++) a[i] = fmaf(vals[j], __shfl_sync(FULL_MASK, wgt, j), a[i]);
+        }
+    }
+    den = warp_sum(den);
+    const float inv = den > 0.0f ? 1.0f / den : 0.0f;
+#pragma unroll
+    for (int i = 0; i < DPT; i++) {
+        const int d = threadIdx.x + i * blockDim.x;
+        if (d < HD) out[row * HD + d] = f2bf(a[i] * inv);
     }
 }
 
 // Prefill attention on tensor cores: S = Q K^T and O = P V run as cuBLAS batched GEMMs (one batch
 // per kv head, the group's query rows stacked: row r = t * group + j), with this kernel between.
-// One block per stacked row of one kv head: masks (causal, sliding window), soft-caps and
-// normalizes the f32 scores of keys [0, n_keys) into bf16 probabilities (zero where masked).
-// Rows of S and P are `ld` apart; `t0` is the first token of this chunk of rows.
-extern "C" __global__ void __launch_bounds__(256)
+// Each stacked row of one kv head: masks (causal, sliding window), soft-caps and normalizes the
+// f32 scores of keys [0, n_keys) into bf16 probabilities (zero where masked). Rows of S and P
+// are `ld` apart (a multiple of 8); `t0` is the first token of this chunk of rows.
+// One warp per row (no block-wide barriers: the rows are short and many). Rows of up to
+// SM_CHUNKS * 128 keys are read once, as float4s held in registers (masked chunks are not read);
+// longer rows take three passes.
+#define SM_WARPS 8
+#define SM_CHUNKS 16
+
+__device__ __forceinline__ float score(float v, float softcap) {
+    return softcap > 0.0f ? tanhf(v / softcap) * softcap : v;
+}
+
+extern "C" __global__ void __launch_bounds__(SM_WARPS * 32)
 attn_softmax(const float* __restrict__ s, int ld, int n_keys, int rows, const int* __restrict__ pos,
              int t0, int group, int window, float softcap, bf16* __restrict__ p) {
     GRID_SYNC();
-    __shared__ float scratch[33];
-    const int r = blockIdx.x;
+    const int lane = threadIdx.x & 31;
+    const int r = blockIdx.x * SM_WARPS + (threadIdx.x >> 5);
+    if (r >= rows) return;  // whole warps
     const long long off = ((long long)blockIdx.y * rows + r) * ld;
     const float* sr = s + off;
     bf16* pr = p + off;
     const int ps = pos[t0 + r / group];
     const int lo = window > 0 ? max(ps + 1 - window, 0) : 0;
     const int hi = min(ps, n_keys - 1);
-    float mx = NEG_INF;
-    for (int k = lo + threadIdx.x; k <= hi; k += blockDim.x) {
-        float v = sr[k];
-        if (softcap > 0.0f) v = tanhf(v / softcap) * softcap;
-        mx = fmaxf(mx, v);
-    }
-    mx = warp_max(mx);  // block max
-    __shared__ float wmax[32];
-    const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
-    if (l == 0) wmax[w] = mx;
-    __syncthreads();
-    if (w == 0) {
-        float v = l < (int)(blockDim.x >> 5) ? wmax[l] : NEG_INF;
-        v = warp_max(v);
-        if (l == 0) wmax[0] = v;
-    }
-    __syncthreads();
-    mx = wmax[0];
-    float sum = 0.0f;
-    for (int k = lo + threadIdx.x; k <= hi; k += blockDim.x) {
-        float v = sr[k];
-        if (softcap > 0.0f) v = tanhf(v / softcap) * softcap;
-        sum += expf(v - mx);
-    }
-    sum = block_sum(sum, scratch);
-    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-    for (int k = threadIdx.x; k < n_keys; k += blockDim.x) {
-        float e = 0.0f;
-        if (k >= lo && k <= hi) {
-            float v = sr[k];
-            if (softcap > 0.0f) v = tanhf(v / softcap) * softcap;
-            e = expf(v - mx) * inv;
+    if (n_keys <= SM_CHUNKS * 128) {
+        float v[SM_CHUNKS][4];
+        float mx = NEG_INF;
+#pragma unroll
+        for (int u = 0; u < SM_CHUNKS; u++) {
+            const int k = (lane + u * 32) * 4;
+            float4 x = make_float4(NEG_INF, NEG_INF, NEG_INF, NEG_INF);
+            if (k < n_keys && k + 3 >= lo && k <= hi) x = *(const float4*)(sr + k);
+            const float xs[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const bool in = k + j >= lo && k + j <= hi;
+                v[u][j] = in ? score(xs[j], softcap) : NEG_INF;
+                mx = fmaxf(mx, v[u][j]);
+            }
         }
-        pr[k] = f2bf(e);
+        mx = warp_max(mx);
+        float sum = 0.0f;
+#pragma unroll
+        for (int u = 0; u < SM_CHUNKS; u++)
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                v[u][j] = v[u][j] > NEG_INF ? expf(v[u][j] - mx) : 0.0f;
+                sum += v[u][j];
+            }
+        sum = warp_sum(sum);
+        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+#pragma unroll
+        for (int u = 0; u < SM_CHUNKS; u++) {
+            const int k = (lane + u * 32) * 4;
+            if (k < n_keys) {
+                uint2 o;
+                o.x = (u32)f2bf(v[u][0] * inv) | ((u32)f2bf(v[u][1] * inv) << 16);
+                o.y = (u32)f2bf(v[u][2] * inv) | ((u32)f2bf(v[u][3] * inv) << 16);
+                *(uint2*)(pr + k) = o;  // k + 3 < ld: rows are padded to a multiple of 8
+            }
+        }
+        return;
     }
+    float mx = NEG_INF;
+    for (int k = lo + lane; k <= hi; k += 32) mx = fmaxf(mx, score(sr[k], softcap));
+    mx = warp_max(mx);
+    float sum = 0.0f;
+    for (int k = lo + lane; k <= hi; k += 32) sum += expf(score(sr[k], softcap) - mx);
+    sum = warp_sum(sum);
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    for (int k = lane; k < n_keys; k += 32)
+        pr[k] = f2bf(k >= lo && k <= hi ? expf(score(sr[k], softcap) - mx) * inv : 0.0f);
 }
 
 // Stacked attention output [kv head][t * group + j][HD] -> [t][kv head * group + j][HD] (bf16).

@@ -24,18 +24,32 @@ __device__ __forceinline__ float dot8(uint4 w, uint4 x) {
 }
 
 // acc[r] = row r (starting at W + off[r]) . x, reduced over the block (thread 0 gets it).
-template <int R>
+template <int R, int U = UNROLL>
 __device__ __forceinline__ void block_dot(const bf16* __restrict__ W, const long long* off, int k,
-                                          const bf16* __restrict__ x, float* acc) {
+                                          const bf16* __restrict__ x, float* acc,
+                                          bool bulk = false) {
     __shared__ float red[R][GEMV_WARPS];
     const int tid = threadIdx.x;
 #pragma unroll
     for (int r = 0; r < R; r++) acc[r] = 0.0f;
     // Weights are never written by earlier kernels: start pulling the first vectors into L2
     // while the previous kernel finishes, then wait for it (programmatic dependent launch).
+    // `bulk` (sm_90+): one thread asks the copy engine for the block's whole rows, so a block
+    // launched early behind a latency-bound kernel has its weights in L2 when that one ends.
+    // (Issued just before the loads themselves, it only doubles the traffic: H200 run 9.)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (bulk && (k & 7) == 0) {
+        if (tid == 0)
+#pragma unroll
+            for (int r = 0; r < R; r++)
+                asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(W + off[r]),
+                             "r"(k * 2)
+                             : "memory");
+    } else
+#endif
     if ((k & 7) == 0) {
 #pragma unroll
-        for (int u = 0; u < UNROLL; u++) {
+        for (int u = 0; u < U; u++) {
             const int v = tid + u * GEMV_THREADS;
             if (v < (k >> 3))
 #pragma unroll
@@ -46,10 +60,10 @@ __device__ __forceinline__ void block_dot(const bf16* __restrict__ W, const long
     GRID_SYNC();
     if ((k & 7) == 0) {
         const int nvec = k >> 3;
-        for (int v0 = tid; v0 < nvec; v0 += GEMV_THREADS * UNROLL) {
-            uint4 wv[R][UNROLL], xv[UNROLL];
+        for (int v0 = tid; v0 < nvec; v0 += GEMV_THREADS * U) {
+            uint4 wv[R][U], xv[U];
 #pragma unroll
-            for (int u = 0; u < UNROLL; u++) {
+            for (int u = 0; u < U; u++) {
                 const int v = v0 + u * GEMV_THREADS;
                 if (v < nvec) {
 #pragma unroll
@@ -62,7 +76,7 @@ __device__ __forceinline__ void block_dot(const bf16* __restrict__ W, const long
                 }
             }
 #pragma unroll
-            for (int u = 0; u < UNROLL; u++)
+            for (int u = 0; u < U; u++)
 #pragma unroll
                 for (int r = 0; r < R; r++) acc[r] += dot8(wv[r][u], xv[u]);
         }
@@ -150,10 +164,13 @@ gemv_act(const bf16* __restrict__ W, int n, int k, const bf16* __restrict__ x,
 }
 
 // Decode's qkv projection with the rope kernel's work in its epilogue (models without q/k norms):
-// each block computes the two rows of one rotary pair (or two plain rows), adds biases, rotates
-// q and k at position pos[0], scales q into q_out (f32) and writes k and v into the cache (bf16).
-// Blocks: (n_heads + 2 n_kv) * hd / 2, rows of W ordered q heads, k heads, v heads.
-extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
+// each block computes the rows of QKV_PAIRS rotary pairs (or pairs of plain rows), adds biases,
+// rotates q and k at position pos[0], scales q into q_out (f32) and writes k and v into the
+// cache (bf16). Blocks: ceil((n_heads + 2 n_kv) * hd / 2 / QKV_PAIRS), rows of W ordered q heads,
+// k heads, v heads. Two pairs a block, one vector a row in flight and at most 40 registers (12
+// blocks an SM) keep Llama's 6144 rows in one wave of resident blocks on an H200.
+#define QKV_PAIRS 2
+extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 12)
 gemv_qkv_rope(const bf16* __restrict__ W, int k, const bf16* __restrict__ x,
               const float* __restrict__ bias, const int* __restrict__ pos, int n_heads, int n_kv,
               int hd, const float* __restrict__ inv_freq, int rot, int interleaved,
@@ -161,48 +178,61 @@ gemv_qkv_rope(const bf16* __restrict__ W, int k, const bf16* __restrict__ x,
               bf16* __restrict__ k_cache, bf16* __restrict__ v_cache, const float* __restrict__ ss,
               float inv_n, float eps, float* __restrict__ zero) {
     const int half_hd = hd >> 1;
-    const int head = blockIdx.x / half_hd, j = blockIdx.x % half_hd;
-    const bool is_v = head >= n_heads + n_kv;
+    const int n_pairs = (n_heads + 2 * n_kv) * half_hd;
     const int half = inv_freq ? rot / 2 : 0;
-    const bool rotate = !is_v && j < half;
-    int a, b;
-    if (j < half) {
-        a = interleaved ? 2 * j : j;
-        b = interleaved ? 2 * j + 1 : j + half;
-    } else {
-        a = 2 * half + 2 * (j - half);
-        b = a + 1;
+    int head[QKV_PAIRS], j[QKV_PAIRS], a[QKV_PAIRS], b[QKV_PAIRS];
+    long long off[2 * QKV_PAIRS];
+#pragma unroll
+    for (int q = 0; q < QKV_PAIRS; q++) {
+        const int pair = min(blockIdx.x * QKV_PAIRS + q, n_pairs - 1);
+        head[q] = pair / half_hd;
+        j[q] = pair % half_hd;
+        if (j[q] < half) {
+            a[q] = interleaved ? 2 * j[q] : j[q];
+            b[q] = interleaved ? 2 * j[q] + 1 : j[q] + half;
+        } else {
+            a[q] = 2 * half + 2 * (j[q] - half);
+            b[q] = a[q] + 1;
+        }
+        off[2 * q] = (long long)(head[q] * hd + a[q]) * k;
+        off[2 * q + 1] = (long long)(head[q] * hd + b[q]) * k;
     }
-    const int ra = head * hd + a, rb = head * hd + b;
-    long long off[2] = {(long long)ra * k, (long long)rb * k};
-    float acc[2];
-    block_dot<2>(W, off, k, x, acc);
+    float acc[2 * QKV_PAIRS];
+    // One vector a row in flight per thread (not UNROLL): the registers stay low enough for the
+    // whole grid to be resident at once.
+    block_dot<2 * QKV_PAIRS, 1>(W, off, k, x, acc);
     if (threadIdx.x != 0) return;
     const float sc = norm_scale(ss, inv_n, eps, zero);
-    float x1 = acc[0] * sc + (bias ? bias[ra] : 0.0f);
-    float x2 = acc[1] * sc + (bias ? bias[rb] : 0.0f);
     const int p = pos[0];
-    if (rotate) {
-        // sincosf's slow path for large angles needs a stack frame; reduce by 2*pi (Cody-Waite,
-        // two parts) and use the fast intrinsic on [-pi, pi] instead.
-        const float ang = (float)p * pos_scale * inv_freq[j];
-        const float kk = rintf(ang * 0.15915494309189535f);
-        float red = fmaf(-kk, 6.28318548202514648f, ang);
-        red = fmaf(-kk, -1.7484555e-7f, red);
-        float sn, cs;
-        __sincosf(red, &sn, &cs);
-        const float y1 = x1 * in_scale, y2 = x2 * in_scale;
-        x1 = y1 * cs - y2 * sn;
-        x2 = y1 * sn + y2 * cs;
-    }
-    if (head < n_heads) {
-        q_out[ra] = x1 * q_scale;
-        q_out[rb] = x2 * q_scale;
-    } else {
-        const int kvh = is_v ? head - n_heads - n_kv : head - n_heads;
-        bf16* c = (is_v ? v_cache : k_cache) + ((long long)p * n_kv + kvh) * hd;
-        c[a] = f2bf(x1);
-        c[b] = f2bf(x2);
+#pragma unroll
+    for (int q = 0; q < QKV_PAIRS; q++) {
+        if (blockIdx.x * QKV_PAIRS + q >= n_pairs) break;
+        const bool is_v = head[q] >= n_heads + n_kv;
+        const int ra = head[q] * hd + a[q], rb = head[q] * hd + b[q];
+        float x1 = acc[2 * q] * sc + (bias ? bias[ra] : 0.0f);
+        float x2 = acc[2 * q + 1] * sc + (bias ? bias[rb] : 0.0f);
+        if (!is_v && j[q] < half) {
+            // sincosf's slow path for large angles needs a stack frame; reduce by 2*pi (Cody-Waite,
+            // two parts) and use the fast intrinsic on [-pi, pi] instead.
+            const float ang = (float)p * pos_scale * inv_freq[j[q]];
+            const float kk = rintf(ang * 0.15915494309189535f);
+            float red = fmaf(-kk, 6.28318548202514648f, ang);
+            red = fmaf(-kk, -1.7484555e-7f, red);
+            float sn, cs;
+            __sincosf(red, &sn, &cs);
+            const float y1 = x1 * in_scale, y2 = x2 * in_scale;
+            x1 = y1 * cs - y2 * sn;
+            x2 = y1 * sn + y2 * cs;
+        }
+        if (head[q] < n_heads) {
+            q_out[ra] = x1 * q_scale;
+            q_out[rb] = x2 * q_scale;
+        } else {
+            const int kvh = is_v ? head[q] - n_heads - n_kv : head[q] - n_heads;
+            bf16* c = (is_v ? v_cache : k_cache) + ((long long)p * n_kv + kvh) * hd;
+            c[a[q]] = f2bf(x1);
+            c[b[q]] = f2bf(x2);
+        }
     }
 }
 
@@ -260,15 +290,16 @@ gemv_residual(const bf16* __restrict__ W, int n, int k, const bf16* __restrict__
 // add in its epilogue and no serial tail: each block owns two rows, x[row] += rscale * (W xin)[row]
 // (f32), writes xz[row] = bf16(nw[row] * x[row]) (a copy without nw) and adds its rows' squares
 // into *ss; the next GEMV scales its dot products by 1/sqrt(*ss / n + eps) (norm_scale), which
-// finishes the RMSNorm. *ss is zeroed by the GEMV before this one.
+// finishes the RMSNorm. *ss is zeroed by the GEMV before this one. `prefetch`: the block first
+// pulls its rows into L2 (the o projection, launched early behind decode attention).
 extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
 gemv_res(const bf16* __restrict__ W, int n, int k, const bf16* __restrict__ xin,
          float* __restrict__ x, float rscale, const float* __restrict__ nw, bf16* __restrict__ xz,
-         float* __restrict__ ss) {
+         float* __restrict__ ss, int prefetch) {
     const int row = blockIdx.x * 2;
     long long off[2] = {(long long)row * k, (long long)min(row + 1, n - 1) * k};
     float acc[2];
-    block_dot<2>(W, off, k, xin, acc);
+    block_dot<2>(W, off, k, xin, acc, prefetch != 0);
     if (threadIdx.x == 0) {
         float sq = 0.0f;
 #pragma unroll

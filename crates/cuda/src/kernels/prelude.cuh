@@ -80,6 +80,34 @@ __device__ __forceinline__ uint4 ld_stream(const void* p) {
 #endif
 #define GRID_SYNC() do { GRID_LAUNCH_DEPENDENTS(); GRID_WAIT(); } while (0)
 
+// Thread-block clusters (sm_90+): the barrier over all threads of the cluster's blocks, the
+// block's rank and the cluster's size, and a load from a peer block's shared memory.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+__device__ __forceinline__ u32 cluster_rank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ u32 cluster_size() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
+    return r;
+}
+// `p` points into this block's shared memory; the same variable in block `rank` is read.
+__device__ __forceinline__ float ld_cluster(const float* p, u32 rank) {
+    u64 s;
+    asm("cvta.to.shared.u64 %0, %1;" : "=l"(s) : "l"((u64)p));
+    u32 a;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"((u32)s), "r"(rank));
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(a) : "memory");
+    return v;
+}
+#endif
+
 // A 16-byte read-only load through L1 (activation vectors every warp of a block reads).
 __device__ __forceinline__ uint4 ld_nc(const void* p) {
     uint4 r;

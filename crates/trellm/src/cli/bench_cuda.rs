@@ -68,6 +68,8 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         "gemv_only_tb_s": r.decode_weight_bytes as f64 / (r.gemv_only_ms_pdl.min(r.gemv_only_ms_no_pdl) * 1e-3) / 1e12,
         "decode_ids": r.decode_ids,
         "logits_finite": r.logits_finite,
+        "decode_profile_us": profile_json(&r.decode_profile),
+        "prefill_profile_us": profile_json(&r.prefill_profile),
     });
     if a.json {
         println!("{obj}");
@@ -75,4 +77,14 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&obj)?);
     }
     Ok(())
+}
+
+/// `[[name, calls, total microseconds], ...]`, largest first.
+#[cfg(feature = "cuda")]
+fn profile_json(p: &[trellm_cuda::KernelTime]) -> serde_json::Value {
+    let mut v: Vec<_> = p.iter().collect();
+    v.sort_by(|a, b| b.ms.total_cmp(&a.ms));
+    v.iter()
+        .map(|k| serde_json::json!([k.name, k.calls, (k.ms * 1e4).round() / 10.0]))
+        .collect()
 }
