@@ -30,7 +30,6 @@ BENCHES_FIRST=(
     "default"
 )
 BENCHES_MORE=(
-    "o_prefetch TRELLM_CUDA_O_PREFETCH=1"
     "cluster4 TRELLM_CUDA_CLUSTER=4"
     "cluster16 TRELLM_CUDA_CLUSTER=16"
     "gu_bf16 TRELLM_CUDA_GU_BF16=1"

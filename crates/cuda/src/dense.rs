@@ -411,6 +411,8 @@ const DECODE_CHUNK: usize = 32;
 const DECODE_BLOCKS: usize = 256;
 /// Rotary pairs per block of the qkv GEMV with rope (`QKV_PAIRS` in gemv.cu).
 const QKV_PAIRS: usize = 2;
+/// Rows per block of the residual GEMV (`RES_ROWS` in gemv.cu).
+const RES_ROWS: usize = 4;
 /// Query rows per attention block (`ATT_ROWS` in attention.cu).
 const ATT_ROWS: usize = 4;
 
@@ -434,10 +436,6 @@ struct Tuning {
     /// the chip and the combine kernel.
     cluster: usize,
     cluster_ctx: usize,
-    /// Decode's o projection starts during attention (PDL) and pulls its weights into L2 while
-    /// attention, which leaves memory idle, runs (`TRELLM_CUDA_O_PREFETCH=1`; off by default:
-    /// +0.06 ms a token on the H200, run 9).
-    o_prefetch: bool,
     /// The residual add and next norm in the o/down GEMV's epilogue and last block.
     fuse_residual: bool,
     /// Prefill's gate/up GEMM writes bf16 instead of f32 (`TRELLM_CUDA_GU_BF16=1`).
@@ -468,7 +466,6 @@ impl Tuning {
                 .filter(|&c| c == 0 || (2..=8).contains(&c))
                 .unwrap_or(DECODE_CLUSTER),
             cluster_ctx: env_usize("TRELLM_CUDA_CLUSTER_CTX").unwrap_or(DECODE_CLUSTER_CTX),
-            o_prefetch: on("TRELLM_CUDA_O_PREFETCH"),
             fuse_residual: on("TRELLM_CUDA_FUSE_RESIDUAL"),
             gu_bf16: on("TRELLM_CUDA_GU_BF16"),
             attn_budget: std::env::var("TRELLM_CUDA_ATTN_BUDGET")
@@ -1065,7 +1062,7 @@ impl DenseModel {
                 self.attention_gemm(m, &inp, spec, kc, vc)?;
             } else {
                 let fused = inp.decode && inp.cluster;
-                g.launch_with(
+                g.launch_cluster(
                     &f.attn_partial,
                     (
                         c.n_kv_heads as u32,
@@ -1073,10 +1070,7 @@ impl DenseModel {
                         splits as u32,
                     ),
                     128,
-                    crate::Launch {
-                        cluster: fused.then_some((1, 1, splits as u32)),
-                        pdl: false,
-                    },
+                    fused.then_some((1, 1, splits as u32)),
                     &[
                         Arg::Ptr(p(&b.q)),
                         Arg::Ptr(kc),
@@ -1112,8 +1106,7 @@ impl DenseModel {
             let (nw, nbias) = pn(&lw.ffn_norm);
             let o = (g.ptr(&b.attn), g.ptr(&lw.o), qd);
             if epi {
-                let prefetch = inp.decode && self.tuning.o_prefetch;
-                pending_ss = self.gemv_res(o, rscale, nw, ss_slot(2 * l), prefetch)?;
+                pending_ss = self.gemv_res(o, rscale, nw, ss_slot(2 * l))?;
             } else {
                 self.proj_residual(m, o, po(&lw.o_bias), (pw, pb), rscale, (nw, nbias), 0)?;
             }
@@ -1181,7 +1174,7 @@ impl DenseModel {
             };
             let down = (act, g.ptr(&lw.down), ff);
             if epi {
-                pending_ss = self.gemv_res(down, rscale, next.0, ss_slot(2 * l + 1), false)?;
+                pending_ss = self.gemv_res(down, rscale, next.0, ss_slot(2 * l + 1))?;
             } else {
                 self.proj_residual(m, down, po(&lw.down_bias), (pw, pb), rscale, next, 1)?;
             }
@@ -1436,21 +1429,13 @@ impl DenseModel {
         rscale: f32,
         nw: u64,
         ss: u64,
-        prefetch: bool,
     ) -> Result<u64> {
         let (g, h) = (&*self.gpu, self.cfg.hidden);
         let ss = if nw != 0 { ss } else { 0 };
-        // `prefetch`: launched early (PDL) behind a latency-bound kernel, the blocks pull their
-        // rows into L2 while it runs.
-        let prefetch = prefetch && g.sm90_or_newer();
-        g.launch_with(
+        g.launch(
             &self.f.gemv_res,
-            (h.div_ceil(2) as u32, 1, 1),
+            (h.div_ceil(RES_ROWS) as u32, 1, 1),
             128,
-            crate::Launch {
-                cluster: None,
-                pdl: prefetch,
-            },
             &[
                 Arg::Ptr(w),
                 Arg::I32(h as i32),
@@ -1461,7 +1446,6 @@ impl DenseModel {
                 Arg::Ptr(nw),
                 Arg::Ptr(g.ptr(&self.b.xn)),
                 Arg::Ptr(ss),
-                Arg::I32(prefetch as i32),
             ],
         )?;
         Ok(ss)

@@ -94,16 +94,6 @@ pub struct Gpu {
     profile: Mutex<Option<Vec<(String, CudaEvent, CudaEvent)>>>,
 }
 
-/// Launch options beyond grid and block.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Launch {
-    /// Blocks grouped in thread-block clusters of this shape (sm_90+).
-    pub cluster: Option<(u32, u32, u32)>,
-    /// Programmatic dependent launch for this kernel even when [`Gpu::pdl`] is off (sm_90+;
-    /// ignored below): it may start while its predecessor runs, up to its `griddepcontrol.wait`.
-    pub pdl: bool,
-}
-
 /// Time spent in one kernel (or cuBLAS call) over a profiled stretch of work.
 #[derive(Debug, Clone)]
 pub struct KernelTime {
@@ -241,16 +231,16 @@ impl Gpu {
         block: u32,
         args: &[Arg],
     ) -> Result<()> {
-        self.launch_with(f, grid, block, Launch::default(), args)
+        self.launch_cluster(f, grid, block, None, args)
     }
 
-    /// Launches `f` with the extra launch options `opt`.
-    pub fn launch_with(
+    /// Launches `f` with its blocks grouped in thread-block clusters of `cluster` (sm_90+).
+    pub fn launch_cluster(
         &self,
         f: &CudaFunction,
         grid: (u32, u32, u32),
         block: u32,
-        opt: Launch,
+        cluster: Option<(u32, u32, u32)>,
         args: &[Arg],
     ) -> Result<()> {
         if self.profile.lock().unwrap().is_some() {
@@ -261,10 +251,10 @@ impl Gpu {
                 .get(&(f.cu_function() as usize))
                 .cloned();
             return self.timed(name.as_deref().unwrap_or("?"), || {
-                self.launch_now(f, grid, block, opt, args)
+                self.launch_now(f, grid, block, cluster, args)
             });
         }
-        self.launch_now(f, grid, block, opt, args)
+        self.launch_now(f, grid, block, cluster, args)
     }
 
     fn launch_now(
@@ -272,7 +262,7 @@ impl Gpu {
         f: &CudaFunction,
         grid: (u32, u32, u32),
         block: u32,
-        opt: Launch,
+        cluster: Option<(u32, u32, u32)>,
         args: &[Arg],
     ) -> Result<()> {
         let mut store: Vec<u64> = args
@@ -290,7 +280,7 @@ impl Gpu {
             .map(|v| v as *mut u64 as *mut c_void)
             .collect();
         let mut attrs = Vec::new();
-        if self.pdl() || (opt.pdl && self.sm90_or_newer()) {
+        if self.pdl() {
             // SAFETY: an all-zero union is a valid value; the field is then set.
             let mut value: dsys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
             value.programmaticStreamSerializationAllowed = 1;
@@ -301,7 +291,7 @@ impl Gpu {
                 value,
             });
         }
-        if let Some((x, y, z)) = opt.cluster {
+        if let Some((x, y, z)) = cluster {
             // SAFETY: as above.
             let mut value: dsys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
             value.clusterDim.x = x;

@@ -7,6 +7,9 @@
 
 #define GEMV_THREADS 128
 #define GEMV_WARPS (GEMV_THREADS / 32)
+// Resident blocks an SM that the one-wave GEMVs (qkv, residual) are built for: at most 40
+// registers a thread.
+#define GEMV_BLOCKS_PER_SM 12
 #ifndef UNROLL
 #define UNROLL 2
 #endif
@@ -26,27 +29,13 @@ __device__ __forceinline__ float dot8(uint4 w, uint4 x) {
 // acc[r] = row r (starting at W + off[r]) . x, reduced over the block (thread 0 gets it).
 template <int R, int U = UNROLL>
 __device__ __forceinline__ void block_dot(const bf16* __restrict__ W, const long long* off, int k,
-                                          const bf16* __restrict__ x, float* acc,
-                                          bool bulk = false) {
+                                          const bf16* __restrict__ x, float* acc) {
     __shared__ float red[R][GEMV_WARPS];
     const int tid = threadIdx.x;
 #pragma unroll
     for (int r = 0; r < R; r++) acc[r] = 0.0f;
     // Weights are never written by earlier kernels: start pulling the first vectors into L2
     // while the previous kernel finishes, then wait for it (programmatic dependent launch).
-    // `bulk` (sm_90+): one thread asks the copy engine for the block's whole rows, so a block
-    // launched early behind a latency-bound kernel has its weights in L2 when that one ends.
-    // (Issued just before the loads themselves, it only doubles the traffic: H200 run 9.)
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (bulk && (k & 7) == 0) {
-        if (tid == 0)
-#pragma unroll
-            for (int r = 0; r < R; r++)
-                asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(W + off[r]),
-                             "r"(k * 2)
-                             : "memory");
-    } else
-#endif
     if ((k & 7) == 0) {
 #pragma unroll
         for (int u = 0; u < U; u++) {
@@ -113,7 +102,8 @@ __device__ __forceinline__ float norm_scale(const float* ss, float inv_n, float 
     return ss ? 1.0f / sqrtf(*ss * inv_n + eps) : 1.0f;
 }
 
-// y[n] (f32) = W[n, k] x.  Two rows per block.
+// y[n] (f32) = W[n, k] x.  Two rows per block. (Fewer blocks striding over the rows, to avoid a
+// partial last wave, were slower for this and gemv_glu: H200 run 9.)
 extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
 gemv_f32(const bf16* __restrict__ W, int n, int k, const bf16* __restrict__ x, float* __restrict__ y,
          const float* __restrict__ ss, float inv_n, float eps, float* __restrict__ zero) {
@@ -170,7 +160,7 @@ gemv_act(const bf16* __restrict__ W, int n, int k, const bf16* __restrict__ x,
 // k heads, v heads. Two pairs a block, one vector a row in flight and at most 40 registers (12
 // blocks an SM) keep Llama's 6144 rows in one wave of resident blocks on an H200.
 #define QKV_PAIRS 2
-extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 12)
+extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_BLOCKS_PER_SM)
 gemv_qkv_rope(const bf16* __restrict__ W, int k, const bf16* __restrict__ x,
               const float* __restrict__ bias, const int* __restrict__ pos, int n_heads, int n_kv,
               int hd, const float* __restrict__ inv_freq, int rot, int interleaved,
@@ -287,23 +277,27 @@ gemv_residual(const bf16* __restrict__ W, int n, int k, const bf16* __restrict__
 }
 
 // A projection that feeds the residual stream (decode, no bias, no post-norm), with the residual
-// add in its epilogue and no serial tail: each block owns two rows, x[row] += rscale * (W xin)[row]
-// (f32), writes xz[row] = bf16(nw[row] * x[row]) (a copy without nw) and adds its rows' squares
-// into *ss; the next GEMV scales its dot products by 1/sqrt(*ss / n + eps) (norm_scale), which
-// finishes the RMSNorm. *ss is zeroed by the GEMV before this one. `prefetch`: the block first
-// pulls its rows into L2 (the o projection, launched early behind decode attention).
-extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
+// add in its epilogue and no serial tail: each block owns RES_ROWS rows, x[row] += rscale *
+// (W xin)[row] (f32), writes xz[row] = bf16(nw[row] * x[row]) (a copy without nw) and adds its
+// rows' squares into *ss; the next GEMV scales its dot products by 1/sqrt(*ss / n + eps)
+// (norm_scale), which finishes the RMSNorm. *ss is zeroed by the GEMV before this one. Four rows
+// a block, one vector a row in flight and at most 40 registers keep a 4096-row matrix in one
+// wave of resident blocks (with two rows a block, 2048 blocks took 1.3 waves).
+#define RES_ROWS 4
+extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_BLOCKS_PER_SM)
 gemv_res(const bf16* __restrict__ W, int n, int k, const bf16* __restrict__ xin,
          float* __restrict__ x, float rscale, const float* __restrict__ nw, bf16* __restrict__ xz,
-         float* __restrict__ ss, int prefetch) {
-    const int row = blockIdx.x * 2;
-    long long off[2] = {(long long)row * k, (long long)min(row + 1, n - 1) * k};
-    float acc[2];
-    block_dot<2>(W, off, k, xin, acc, prefetch != 0);
+         float* __restrict__ ss) {
+    const int row = blockIdx.x * RES_ROWS;
+    long long off[RES_ROWS];
+#pragma unroll
+    for (int r = 0; r < RES_ROWS; r++) off[r] = (long long)min(row + r, n - 1) * k;
+    float acc[RES_ROWS];
+    block_dot<RES_ROWS, 1>(W, off, k, xin, acc);
     if (threadIdx.x == 0) {
         float sq = 0.0f;
 #pragma unroll
-        for (int r = 0; r < 2; r++) {
+        for (int r = 0; r < RES_ROWS; r++) {
             const int i = row + r;
             if (i < n) {
                 const float v = x[i] + acc[r] * rscale;
