@@ -22,7 +22,7 @@ CHECKS_FIRST=(
 )
 CHECKS_MORE=(
     "splits+cuda_core_attn TRELLM_CUDA_CLUSTER=0 TRELLM_CUDA_ATTN_GEMM=0"
-    "cluster16+switch TRELLM_CUDA_CLUSTER=16 TRELLM_CUDA_CLUSTER_CTX=24"
+    "cluster+switch TRELLM_CUDA_CLUSTER_CTX=24"
     "fusions+gu_bf16+chunk1 TRELLM_CUDA_FUSE_RESIDUAL=1 TRELLM_CUDA_GU_BF16=1 TRELLM_CUDA_ATTN_BUDGET=8"
 )
 BENCHES_FIRST=(
@@ -31,7 +31,6 @@ BENCHES_FIRST=(
 )
 BENCHES_MORE=(
     "cluster4 TRELLM_CUDA_CLUSTER=4"
-    "cluster16 TRELLM_CUDA_CLUSTER=16"
     "gu_bf16 TRELLM_CUDA_GU_BF16=1"
     "default_again"
 )
@@ -53,6 +52,22 @@ benches() {
             --context 512 --n-gen 128 -r ${REPS:-5} --json 2>&1 | sed "s/^{/{\"config\":\"$label\",/" | tee -a "$OUT/bench_8b.jsonl"
     done
 }
+# `trellm generate --device cuda` against --device cpu on two fixtures (greedy ids), and the
+# GPU tests of the test suite when their binary was carried (.device/cuda_vs_cpu, with SRC_ROOT
+# set to the checkout it was built in).
+echo "== generate --device cuda vs cpu"
+for m in llama qwen3; do
+    for dev in cpu cuda; do
+        echo "$m $dev $("$BIN" generate -M tests/fixtures/tiny/$m --prompt-ids 1,2,3,4,5 -m 24 --json -q --device $dev 2>&1)"
+    done
+done | tee "$OUT/generate.txt"
+if [ -x .device/cuda_vs_cpu ]; then
+    echo "== cargo test --test cuda_vs_cpu (carried binary)"
+    # SRC_ROOT: the checkout the binary was built in (its fixture paths are compiled in).
+    src=${SRC_ROOT:-}
+    if [ -n "$src" ] && [ ! -e "$src" ]; then mkdir -p "$(dirname "$src")" && ln -s "$PWD" "$src"; fi
+    .device/cuda_vs_cpu --test-threads 1 2>&1 | tee "$OUT/cuda_vs_cpu.txt" | tail -8
+fi
 checks "${CHECKS_FIRST[@]}"
 benches "${BENCHES_FIRST[@]}"
 if [ -z "${QUICK:-}" ]; then  # QUICK=1: the default's checks and the two first benches only

@@ -25,6 +25,7 @@ fn rope(hd: usize, base: f32) -> RopeSpec {
         inv_freq: (0..half)
             .map(|i| (-(i as f32) * base.ln() / half as f32).exp())
             .collect(),
+        dynamic: None,
     }
 }
 

@@ -62,6 +62,26 @@ pub struct RopeSpec {
     pub input_scale: f32,
     /// One inverse frequency per rotated pair.
     pub inv_freq: Vec<f32>,
+    /// Dynamic-NTK RoPE: the inverse frequencies for a pass whose last position is `len - 1`
+    /// (`inv_freq` is then the table for short sequences).
+    pub dynamic: Option<InvFreqAt>,
+}
+
+/// The inverse frequencies of a dynamic RoPE as a function of the sequence length, given by the
+/// decoder that owns the formula.
+#[derive(Clone)]
+pub struct InvFreqAt(pub Arc<dyn Fn(usize) -> Vec<f32> + Send + Sync>);
+
+impl std::fmt::Debug for InvFreqAt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("InvFreqAt(..)")
+    }
+}
+
+impl PartialEq for InvFreqAt {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -561,6 +581,8 @@ pub struct DenseModel {
     f: Funcs,
     b: Buffers,
     len: usize,
+    /// Each layer's inverse-frequency table on the device (dynamic RoPE changes them).
+    rope_tables: Vec<Option<Vec<f32>>>,
     /// The decode graphs, captured on first use: [split attention + combine, cluster attention].
     graphs: [Option<CudaGraph>; 2],
     /// Prefill attention as cuBLAS GEMMs (`TRELLM_CUDA_ATTN_GEMM=0`: the CUDA-core kernel).
@@ -662,6 +684,11 @@ impl DenseModel {
             res_counters: gpu.alloc(2)?,
             ss: gpu.alloc(2 * cfg.n_layers())?,
         };
+        let rope_tables = cfg
+            .layers
+            .iter()
+            .map(|l| l.rope.as_ref().map(|r| r.inv_freq.clone()))
+            .collect();
         Ok(DenseModel {
             gpu,
             cfg,
@@ -671,6 +698,7 @@ impl DenseModel {
             f,
             b,
             len: 0,
+            rope_tables,
             graphs: [None, None],
             attn_gemm: std::env::var("TRELLM_CUDA_ATTN_GEMM").as_deref() != Ok("0"),
             attn_rows,
@@ -708,6 +736,7 @@ impl DenseModel {
             );
             let ids: Vec<i32> = tokens[done..done + n].iter().map(|&t| t as i32).collect();
             let pos: Vec<i32> = (self.len..self.len + n).map(|p| p as i32).collect();
+            self.refresh_rope(self.len + n)?;
             let g = self.gpu.clone();
             g.stream.memcpy_htod(&ids, &mut self.b.tokens)?;
             g.stream.memcpy_htod(&pos, &mut self.b.pos)?;
@@ -743,6 +772,7 @@ impl DenseModel {
             "context full ({} positions)",
             self.max_context
         );
+        self.refresh_rope(self.len + 1)?;
         let cluster = self.cluster_attention(self.len + 1);
         let slot = cluster as usize;
         if self.graphs[slot].is_none() {
@@ -761,6 +791,7 @@ impl DenseModel {
             "context full ({} positions)",
             self.max_context
         );
+        self.refresh_rope(self.len + 1)?;
         let g = self.gpu.clone();
         let inp = self.decode_inputs(self.cluster_attention(self.len + 1));
         g.spin(20.0)?;
@@ -787,6 +818,33 @@ impl DenseModel {
     pub fn decode(&mut self, steps: usize) -> Result<()> {
         for _ in 0..steps {
             self.decode_step()?;
+        }
+        Ok(())
+    }
+
+    /// Dynamic RoPE: uploads the layers' inverse frequencies for a pass whose last position is
+    /// `seq_len - 1` where they change (stream-ordered, so a graph replayed next reads them).
+    fn refresh_rope(&mut self, seq_len: usize) -> Result<()> {
+        for (l, spec) in self.cfg.layers.iter().enumerate() {
+            let Some(RopeSpec {
+                dynamic: Some(at), ..
+            }) = &spec.rope
+            else {
+                continue;
+            };
+            let table = (at.0)(seq_len);
+            if self.rope_tables[l].as_ref() != Some(&table) {
+                ensure!(
+                    table.len() == spec.rope.as_ref().unwrap().dims / 2,
+                    "inv_freq length"
+                );
+                let dev = self.w.layers[l]
+                    .inv_freq
+                    .as_mut()
+                    .context("a rotary layer without frequencies")?;
+                self.gpu.stream.memcpy_htod(&table, dev)?;
+                self.rope_tables[l] = Some(table);
+            }
         }
         Ok(())
     }

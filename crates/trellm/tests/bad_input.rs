@@ -286,6 +286,7 @@ fn invalid_flag_values() {
         (&["--repetition-penalty", "-2"], "repetition-penalty"),
         (&["--logprobs", "5"], "--json"),
         (&["--no-such-flag"], "no-such-flag"),
+        (&["--device", "tpu"], "device"),
     ];
     for (extra, needle) in cases {
         let mut args: Vec<&str> = base.to_vec();

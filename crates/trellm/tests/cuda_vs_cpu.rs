@@ -23,20 +23,101 @@ fn tiny_fixtures_match_the_cpu() {
         env!("CARGO_MANIFEST_DIR"),
         "/../../tests/fixtures/tiny"
     ));
-    for name in [
-        "llama",
-        "gemma2",
-        "gemma3",
-        "qwen3",
-        "phi3",
-        "olmo2",
-        "starcoder2",
-        "granite",
-    ] {
+    let mut names: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert!(names.len() >= 16, "fixtures missing: {names:?}");
+    for name in &names {
         let r = cuda::check_against_cpu(&dir.join(name), 32).unwrap();
         assert!(r.max_rel_err < REL_TOL, "{name}: {r:?}");
         if let Some(gap) = r.gap_at_divergence {
             assert!(gap < TIE_GAP, "{name}: ids differ at a clear choice: {r:?}");
         }
     }
+}
+
+/// `generate` runs on the GPU through the same engine and `Sequence` interface as on the CPU:
+/// the prefill's logits agree within bf16 tolerance and a greedy run completes.
+#[test]
+fn generate_runs_on_the_gpu_sequence() {
+    use trellm::backend::{self, Device};
+    use trellm::engine::generate::Flow;
+    use trellm::engine::{generate, GenerateOptions};
+    use trellm::model::decoder::Logits;
+    if !cuda::available() {
+        eprintln!("skipped: {}", cuda::unavailable_reason());
+        return;
+    }
+    let dir = PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tests/fixtures/tiny"
+    ));
+    for name in ["llama", "qwen3", "gemma3", "phi3"] {
+        let m = trellm::model::load::load(&dir.join(name)).unwrap();
+        let dec = &m.decoder;
+        let prompt: Vec<u32> = (0..9u32)
+            .map(|i| (i * 29 + 5) % dec.cfg.vocab as u32)
+            .collect();
+        let mut cpu = backend::sequence(dec, Device::Cpu, 64).unwrap();
+        let mut gpu = backend::sequence(dec, Device::Cuda, 64).unwrap();
+        let c = cpu.forward(&prompt, Logits::Last).unwrap();
+        let g = gpu.forward(&prompt, Logits::Last).unwrap();
+        let num: f64 = c
+            .iter()
+            .zip(&g)
+            .map(|(a, b)| ((a - b) as f64).powi(2))
+            .sum();
+        let den: f64 = c.iter().map(|a| (*a as f64).powi(2)).sum();
+        assert!(
+            (num / den).sqrt() < REL_TOL,
+            "{name}: prefill logits differ"
+        );
+        let opts = GenerateOptions {
+            max_tokens: 16,
+            ..Default::default()
+        };
+        let mut ids = Vec::new();
+        generate(&dec.cfg, gpu.as_mut(), &prompt, &opts, |s| {
+            ids.push(s.token);
+            Flow::Continue
+        })
+        .unwrap();
+        assert_eq!(ids.len(), 16, "{name}");
+        assert_eq!(gpu.len(), prompt.len() + 15, "{name}");
+    }
+}
+
+/// Without a usable GPU, `--device cuda` is a one-line error and a non-zero exit.
+#[test]
+fn device_cuda_without_a_gpu_is_a_clean_error() {
+    if cuda::available() {
+        return;
+    }
+    let dir = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tests/fixtures/tiny/llama"
+    );
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_trellm"))
+        .args([
+            "generate",
+            "-M",
+            dir,
+            "--prompt-ids",
+            "1,2,3",
+            "--device",
+            "cuda",
+        ])
+        .output()
+        .unwrap();
+    assert_ne!(out.status.code(), Some(0));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(
+        err.lines().filter(|l| !l.trim().is_empty()).count(),
+        1,
+        "{err}"
+    );
+    assert!(err.contains("--device cuda"), "{err}");
 }

@@ -9,10 +9,12 @@ use anyhow::{bail, ensure, Context, Result};
 use trellm_cuda::dense::{self, DenseConfig, DenseModel, DenseWeights, HostLayer, HostNorm};
 use trellm_cuda::Gpu;
 
+use super::Sequence;
+use crate::engine::generate::PREFILL_STEP;
 use crate::model::config::{Activation, Mlp, ModelConfig, Norm, QkNorm};
 use crate::model::decoder::Logits;
 use crate::model::weights::{Linear, LinearWeight, Matrix, NormWeights, Weights};
-use crate::model::KvCache;
+use crate::model::{Decoder, KvCache};
 
 pub use trellm_cuda::{available, unavailable_reason};
 
@@ -22,19 +24,17 @@ pub fn dense_config(cfg: &ModelConfig) -> Result<DenseConfig> {
         .layers
         .iter()
         .map(|l| {
-            let rope = match &l.rope {
-                None => None,
-                Some(r) if r.is_dynamic() => {
-                    bail!("dynamic-NTK RoPE is not supported on CUDA yet")
-                }
-                Some(r) => Some(dense::RopeSpec {
-                    dims: r.dims,
-                    interleaved: r.traditional,
-                    position_scale: r.position_scale,
-                    input_scale: r.input_scale.unwrap_or(1.0),
-                    inv_freq: r.inv_freq(1),
+            let rope = l.rope.as_ref().map(|r| dense::RopeSpec {
+                dims: r.dims,
+                interleaved: r.traditional,
+                position_scale: r.position_scale,
+                input_scale: r.input_scale.unwrap_or(1.0),
+                inv_freq: r.inv_freq(1),
+                dynamic: r.is_dynamic().then(|| {
+                    let r = r.clone();
+                    dense::InvFreqAt(Arc::new(move |len| r.inv_freq(len)))
                 }),
-            };
+            });
             Ok(dense::LayerSpec {
                 window: l.sliding_window,
                 rope,
@@ -175,6 +175,53 @@ pub fn upload(
         layers,
     )?;
     DenseModel::new(gpu, dc, w, max_context, max_prefill)
+}
+
+/// A sequence on the first GPU: the decoder's weights uploaded as bf16, prefill through cuBLAS,
+/// decode steps as graph replays (see `trellm_cuda::dense`).
+pub struct CudaSequence {
+    model: DenseModel,
+}
+
+impl CudaSequence {
+    /// Uploads `dec` with a KV cache of `capacity` positions (at most the model's context).
+    pub fn new(dec: &Decoder, capacity: usize) -> Result<CudaSequence> {
+        if !available() {
+            bail!("--device cuda: {}", unavailable_reason());
+        }
+        let gpu = Arc::new(Gpu::new(0)?);
+        let cap = capacity.clamp(1, dec.cfg.max_context.max(1));
+        let model = upload(gpu, &dec.cfg, &dec.weights, cap, cap.min(PREFILL_STEP))?;
+        Ok(CudaSequence { model })
+    }
+}
+
+impl Sequence for CudaSequence {
+    fn forward(&mut self, tokens: &[u32], want: Logits) -> Result<Vec<f32>> {
+        if want == Logits::All {
+            bail!("logits at every prompt position (--prompt-logprobs) are computed on the CPU only; drop --device cuda");
+        }
+        let m = &mut self.model;
+        ensure!(
+            m.len() + tokens.len() <= m.max_context,
+            "the context is full ({} positions on the GPU)",
+            m.max_context
+        );
+        match tokens {
+            [t] if !m.is_empty() => {
+                m.set_next_token(*t)?;
+                m.decode_step()?;
+            }
+            _ => m.prefill(tokens)?,
+        }
+        m.logits()
+    }
+    fn len(&self) -> usize {
+        self.model.len()
+    }
+    fn reset(&mut self) -> Result<()> {
+        self.model.reset()
+    }
 }
 
 /// Copies a model folder (`config.json` + one `model.safetensors`) with every f32 weight rounded

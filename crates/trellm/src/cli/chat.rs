@@ -6,7 +6,8 @@ use anyhow::{bail, Result};
 use clap::Args;
 use trellm_tokenizer::ChatMessage;
 
-use super::{ModelArgs, SamplingArgs};
+use super::{DeviceArgs, ModelArgs, SamplingArgs};
+use crate::backend;
 use crate::engine::generate::Flow;
 use crate::engine::{generate, GenerateOptions};
 
@@ -14,6 +15,8 @@ use crate::engine::{generate, GenerateOptions};
 pub struct ChatArgs {
     #[command(flatten)]
     pub model: ModelArgs,
+    #[command(flatten)]
+    pub device: DeviceArgs,
     /// System prompt for the conversation.
     #[arg(long, visible_alias = "system-prompt")]
     pub system: Option<String>,
@@ -23,6 +26,9 @@ pub struct ChatArgs {
     #[command(flatten)]
     pub sampling: SamplingArgs,
 }
+
+/// Positions a GPU's KV cache holds for a chat session (at most the model's context).
+const CHAT_GPU_CONTEXT: usize = 32768;
 
 pub fn run(a: ChatArgs) -> Result<()> {
     let sampler = a.sampling.params()?;
@@ -35,6 +41,9 @@ pub fn run(a: ChatArgs) -> Result<()> {
         );
     }
     let eos_ids = m.eos_ids();
+    // One sequence for the session (a GPU uploads the weights once); each turn re-runs the chat.
+    let capacity = m.decoder.cfg.max_context.min(CHAT_GPU_CONTEXT);
+    let mut seq = backend::sequence(&m.decoder, a.device.device, capacity)?;
     let mut history: Vec<ChatMessage> = Vec::new();
     if let Some(s) = &a.system {
         history.push(ChatMessage {
@@ -80,7 +89,7 @@ pub fn run(a: ChatArgs) -> Result<()> {
         let mut dec = tok.stream_decoder();
         let mut reply = String::new();
         let mut err = None;
-        generate(&m.decoder, &ids, &opts, |step| {
+        generate(&m.decoder.cfg, seq.as_mut(), &ids, &opts, |step| {
             if eos_ids.contains(&step.token) {
                 return Flow::Continue;
             }

@@ -7,7 +7,8 @@ use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
 use trellm_tokenizer::ChatMessage;
 
-use super::{print_stats, ModelArgs, SamplingArgs};
+use super::{print_stats, DeviceArgs, ModelArgs, SamplingArgs};
+use crate::backend;
 use crate::engine::generate::Flow;
 use crate::engine::stop::StopStrings;
 use crate::engine::{generate, GenerateOptions};
@@ -17,6 +18,8 @@ use crate::model::load::LoadedModel;
 pub struct GenerateArgs {
     #[command(flatten)]
     pub model: ModelArgs,
+    #[command(flatten)]
+    pub device: DeviceArgs,
     /// The prompt (rendered through the chat template unless --raw).
     #[arg(long, short = 'p', conflicts_with_all = ["messages", "prompt_ids"])]
     pub prompt: Option<String>,
@@ -136,7 +139,9 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     let mut logprobs = Vec::new();
     let mut stdout = std::io::stdout().lock();
     let mut failure: Option<anyhow::Error> = None;
-    let stats = generate(&m.decoder, &ids, &opts, |step| {
+    let capacity = ids.len() + a.max_tokens + 1;
+    let mut seq = backend::sequence(&m.decoder, a.device.device, capacity)?;
+    let stats = generate(&m.decoder.cfg, seq.as_mut(), &ids, &opts, |step| {
         out_ids.push(step.token);
         logprobs.push(step.top.clone());
         // EOS ends the text; it is reported in the ids.

@@ -10,6 +10,7 @@ use std::io::Write;
 use anyhow::{bail, Result};
 use clap::{Args, Parser, Subcommand};
 
+use crate::backend::Device;
 use crate::engine::SamplerParams;
 use crate::model::load::{load_with, LoadedModel};
 
@@ -50,6 +51,14 @@ pub struct ModelArgs {
     /// Worker threads (default: all cores).
     #[arg(long, short = 't', allow_negative_numbers = true)]
     pub threads: Option<usize>,
+}
+
+/// Where generation runs.
+#[derive(Args, Debug)]
+pub struct DeviceArgs {
+    /// Device for the forward passes: cpu, or cuda (the first NVIDIA GPU; weights in bf16).
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    pub device: Device,
 }
 
 impl ModelArgs {

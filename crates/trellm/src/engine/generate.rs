@@ -5,8 +5,9 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Result};
 
 use super::sampler::{top_indices, Sampler, SamplerParams};
+use crate::backend::Sequence;
 use crate::model::decoder::Logits;
-use crate::model::{Decoder, KvCache};
+use crate::model::ModelConfig;
 
 /// Prompt tokens per forward pass during prefill (mlx-lm's default step).
 pub const PREFILL_STEP: usize = 2048;
@@ -54,15 +55,15 @@ fn top_k(lp: &[f32], k: usize) -> Vec<(u32, f32)> {
         .collect()
 }
 
-/// Generates from `prompt`, calling `on_step` after every token; stops at EOS, at `max_tokens`,
-/// at the context limit, or when `on_step` says so.
+/// Generates from `prompt` on `seq` (emptied first), calling `on_step` after every token; stops
+/// at EOS, at `max_tokens`, at the context limit, or when `on_step` says so.
 pub fn generate(
-    dec: &Decoder,
+    cfg: &ModelConfig,
+    seq: &mut dyn Sequence,
     prompt: &[u32],
     opts: &GenerateOptions,
     mut on_step: impl FnMut(&Step) -> Flow,
 ) -> Result<GenerationStats> {
-    let cfg = &dec.cfg;
     if prompt.is_empty() {
         bail!("the prompt is empty");
     }
@@ -81,7 +82,7 @@ pub fn generate(
     }
     opts.sampler.validate(cfg.vocab)?;
     let mut sampler = Sampler::new(opts.sampler.clone());
-    let mut cache = KvCache::new(cfg);
+    seq.reset()?;
     let mut stats = GenerationStats {
         prompt_tokens: prompt.len(),
         ..Default::default()
@@ -95,7 +96,7 @@ pub fn generate(
         Logits::Last
     };
     for chunk in prompt.chunks(PREFILL_STEP) {
-        logits = dec.forward(chunk, &mut cache, want);
+        logits = seq.forward(chunk, want)?;
         if opts.prompt_logprobs > 0 {
             for row in logits.chunks_mut(cfg.vocab) {
                 crate::backend::cpu::log_softmax(row);
@@ -132,10 +133,10 @@ pub fn generate(
         {
             break;
         }
-        if cache.len() >= cfg.max_context {
+        if seq.len() >= cfg.max_context {
             break;
         }
-        logits = dec.forward(&[token], &mut cache, Logits::Last);
+        logits = seq.forward(&[token], Logits::Last)?;
     }
     stats.generation_time = t1.elapsed();
     Ok(stats)
