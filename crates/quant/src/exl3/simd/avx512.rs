@@ -167,8 +167,9 @@ struct Job {
     tile_bytes: usize,
     tiles_n: usize,
     tiles_k: usize,
+    /// The activations k-major, `[k][rows]`: every row's value at one k is at a fixed offset
+    /// from one pointer (16 row pointers would not fit the general registers).
     x: *const f32,
-    k: usize,
     tn0: usize,
     tn1: usize,
     out: *mut f32,
@@ -198,13 +199,13 @@ unsafe fn kernel<const CB: u8, const BIG: bool, const M: usize, const S: usize>(
                 for h in 0..2 {
                     let a = h % S;
                     for m in 0..M {
-                        let xv = _mm512_set1_ps(*xk.add(m * j.k + 2 * rp + h));
+                        let xv = _mm512_set1_ps(*xk.add((2 * rp + h) * M + m));
                         acc[m][a] = _mm512_fmadd_ps(xv, w[h], acc[m][a]);
                     }
                 }
             }
             tile = tile.add(stride);
-            xk = xk.add(16);
+            xk = xk.add(16 * M);
         }
         for m in 0..M {
             let mut s = acc[m][0];
@@ -256,13 +257,24 @@ pub(super) unsafe fn matmul(
     out: &mut [f32],
 ) {
     let t = tables(shape.rate);
+    let k = shape.k;
+    let xt: Vec<f32>;
+    let x = if rows == 1 {
+        x
+    } else {
+        // SAFETY: the caller checked `x` holds `rows * k` values.
+        let xs = unsafe { std::slice::from_raw_parts(x, rows * k) };
+        xt = (0..k * rows)
+            .map(|i| xs[(i % rows) * k + i / rows])
+            .collect();
+        xt.as_ptr()
+    };
     let j = Job {
         trellis,
         tile_bytes: shape.rate.tile_bytes(),
         tiles_n: shape.tiles_n(),
         tiles_k: shape.tiles_k(),
         x,
-        k: shape.k,
         tn0,
         tn1,
         out: out.as_mut_ptr(),
