@@ -191,3 +191,27 @@ fn quantized_head_even_when_tied() {
     std::fs::write(tmp.path().join("config.json"), v.to_string()).unwrap();
     check(tmp.path());
 }
+
+/// A phi3 EXL3 folder: exllamav3 stores phi3's fused qkv and gate_up projections as their
+/// quantized parts under the parts' names. The tiny Llama relabelled as phi3 (full rotary, no
+/// scaling: the same network) must load its parts and give exllamav3's logits.
+#[test]
+fn phi3_reads_its_projections_as_stored_parts() {
+    let src = dir("mul1-3.0");
+    let tmp = tempfile::tempdir().unwrap();
+    for f in [
+        "config.json",
+        "model.safetensors",
+        "oracle_logits.safetensors",
+    ] {
+        std::fs::copy(src.join(f), tmp.path().join(f)).unwrap();
+    }
+    let cfg = std::fs::read_to_string(src.join("config.json")).unwrap();
+    let mut v: Value = serde_json::from_str(&cfg).unwrap();
+    v["model_type"] = Value::from("phi3");
+    v["architectures"] = serde_json::json!(["Phi3ForCausalLM"]);
+    std::fs::write(tmp.path().join("config.json"), v.to_string()).unwrap();
+    let m = trellm::model::load::load(tmp.path()).unwrap();
+    assert!(m.decoder.cfg.fused_qkv && m.decoder.cfg.fused_gate_up);
+    check(tmp.path());
+}

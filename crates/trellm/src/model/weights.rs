@@ -461,13 +461,23 @@ impl Weights {
         let (h, hd, ff) = (cfg.hidden, cfg.head_dim, cfg.intermediate);
         let q_rows = cfg.n_heads * hd;
         let kv_rows = cfg.n_kv_heads * hd;
-        if cfg.exl3 && (cfg.fused_qkv || cfg.fused_gate_up) {
-            bail!("EXL3 models with fused projections are not supported yet");
-        }
         let mut layers = Vec::with_capacity(cfg.n_layers());
         for l in 0..cfg.n_layers() {
             let nm = |role| name(role, l);
-            let (q, k, v) = if cfg.fused_qkv {
+            // exllamav3 quantizes phi3's fused projections part by part and stores each under
+            // the part's name (q/k/v, gate/up): such folders read like unfused ones.
+            let fused = |on: bool, part: Role, what: &str| -> Result<bool> {
+                if !on || !cfg.exl3 {
+                    return Ok(on);
+                }
+                if src.has(&format!("{}.trellis", nm(part))) {
+                    return Ok(false);
+                }
+                bail!("EXL3 layer {l}: no {what} projections (exllamav3 stores them split, e.g. {}.trellis)", nm(part))
+            };
+            let fused_qkv = fused(cfg.fused_qkv, Role::Q, "q/k/v")?;
+            let fused_gate_up = fused(cfg.fused_gate_up, Role::Gate, "gate/up")?;
+            let (q, k, v) = if fused_qkv {
                 let n = format!("model.layers.{l}.self_attn.qkv_proj.weight");
                 let m = src.matrix(&n, q_rows + 2 * kv_rows, h)?;
                 let part = |start, rows| Linear {
@@ -486,7 +496,7 @@ impl Weights {
                     linear(&nm(Role::V), kv_rows, h, cfg.qkv_bias)?,
                 )
             };
-            let (gate, up) = match (cfg.mlp, cfg.fused_gate_up) {
+            let (gate, up) = match (cfg.mlp, fused_gate_up) {
                 (Mlp::Plain, _) => (None, linear(&nm(Role::Up), ff, h, cfg.mlp_bias)?),
                 (Mlp::Gated, true) => {
                     let n = format!("model.layers.{l}.mlp.gate_up_proj.weight");
