@@ -53,21 +53,22 @@ benches() {
     done
 }
 # `trellm generate --device cuda` against --device cpu on two fixtures (greedy ids), and the
-# GPU tests of the test suite when their binary was carried (.device/cuda_vs_cpu, with SRC_ROOT
-# set to the checkout it was built in).
+# GPU tests of the test suite whose binaries were carried in .device/tests/ (scripts/gpu/
+# carry_tests.sh puts them there; SRC_ROOT is the checkout they were built in).
 echo "== generate --device cuda vs cpu"
 for m in llama qwen3; do
     for dev in cpu cuda; do
         echo "$m $dev $("$BIN" generate -M tests/fixtures/tiny/$m --prompt-ids 1,2,3,4,5 -m 24 --json -q --device $dev 2>&1)"
     done
 done | tee "$OUT/generate.txt"
-if [ -x .device/cuda_vs_cpu ]; then
-    echo "== cargo test --test cuda_vs_cpu (carried binary)"
-    # SRC_ROOT: the checkout the binary was built in (its fixture paths are compiled in).
+for t in .device/tests/*; do
+    [ -x "$t" ] || continue
+    echo "== test binary $(basename "$t") (carried)"
+    # SRC_ROOT: the checkout the binaries were built in (their fixture paths are compiled in).
     src=${SRC_ROOT:-}
     if [ -n "$src" ] && [ ! -e "$src" ]; then mkdir -p "$(dirname "$src")" && ln -s "$PWD" "$src"; fi
-    .device/cuda_vs_cpu --test-threads 1 2>&1 | tee "$OUT/cuda_vs_cpu.txt" | tail -8
-fi
+    "$t" --test-threads 1 2>&1 | tee "$OUT/test-$(basename "$t").txt" | tail -8
+done
 checks "${CHECKS_FIRST[@]}"
 benches "${BENCHES_FIRST[@]}"
 if [ -z "${QUICK:-}" ]; then  # QUICK=1: the default's checks and the two first benches only

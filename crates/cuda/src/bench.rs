@@ -15,7 +15,8 @@ use crate::{kernels, Arg, Gpu};
 /// Shapes `--shape` accepts.
 pub const SHAPES: &[&str] = &["llama-3.1-8b", "tiny"];
 
-fn rope(hd: usize, base: f32) -> RopeSpec {
+/// A full-width rotary spec of base `base` for head dimension `hd`.
+pub fn rope(hd: usize, base: f32) -> RopeSpec {
     let half = hd / 2;
     RopeSpec {
         dims: hd,
