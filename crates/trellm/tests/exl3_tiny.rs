@@ -215,3 +215,58 @@ fn phi3_reads_its_projections_as_stored_parts() {
     assert!(m.decoder.cfg.fused_qkv && m.decoder.cfg.fused_gate_up);
     check(tmp.path());
 }
+
+/// exllamav3 pads dimensions that are not multiples of 128 (its Hadamard blocks; e.g. SmolLM2's
+/// hidden size 576) and stores the padded trellis. The tiny model relabelled with an
+/// intermediate size of 700 (its trellises hold 768) must load, give the gate/up projections 700
+/// outputs (the first 700 of the stored 768) and the down projection 700 inputs (zero-extended).
+#[test]
+fn padded_layers_take_the_model_dims() {
+    use trellm::backend::cpu::linear;
+    let src = dir("mul1-3.0");
+    let tmp = tempfile::tempdir().unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(src.join(f), tmp.path().join(f)).unwrap();
+    }
+    let cfg = std::fs::read_to_string(src.join("config.json")).unwrap();
+    let mut v: Value = serde_json::from_str(&cfg).unwrap();
+    v["intermediate_size"] = Value::from(700);
+    std::fs::write(tmp.path().join("config.json"), v.to_string()).unwrap();
+    let full = trellm::model::load::load(&src).unwrap();
+    let cut = trellm::model::load::load(tmp.path()).unwrap();
+    let (fl, cl) = (
+        &full.decoder.weights.layers[1],
+        &cut.decoder.weights.layers[1],
+    );
+    let h = full.decoder.cfg.hidden;
+    let x: Vec<f32> = (0..h)
+        .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
+        .collect();
+    let (mut yf, mut yc) = (vec![0.0f32; 768], vec![0.0f32; 700]);
+    linear(&x, 1, &fl.up.w, &mut yf);
+    linear(&x, 1, &cl.up.w, &mut yc);
+    assert_eq!(cl.up.w.rows(), 700);
+    assert_eq!(&yf[..700], &yc[..]);
+    let a: Vec<f32> = (0..700)
+        .map(|i| ((i * 53 % 89) as f32 - 44.0) / 30.0)
+        .collect();
+    let mut a_full = a.clone();
+    a_full.resize(768, 0.0);
+    let (mut df, mut dc) = (vec![0.0f32; h], vec![0.0f32; h]);
+    linear(&a_full, 1, &fl.down.w, &mut df);
+    linear(&a, 1, &cl.down.w, &mut dc);
+    assert_eq!(cl.down.w.cols(), 700);
+    assert_eq!(df, dc);
+    // And the whole model runs on it.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_trellm"))
+        .args(["generate", "--model"])
+        .arg(tmp.path())
+        .args(["--prompt-ids", "1,2,3", "--max-tokens", "4", "--json", "-q"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -383,7 +383,21 @@ pub fn linear(x: &[f32], n: usize, w: &LinearWeight, y: &mut [f32]) {
 /// EXL3: `y = H(H(x * suh) W_inner) * svh`, for `n` activation rows: the tile kernels for
 /// few rows, decode-to-f32 + GEMM from [`EXL3_GEMM_MIN_ROWS`] rows (prefill).
 fn exl3_matmul(x: &[f32], n: usize, w: &Exl3Matrix, y: &mut [f32]) {
-    exl3_linear(&w.shape, w.trellis(), &w.suh, &w.svh, x, n, y);
+    let (k, out) = (w.shape.k, w.shape.n);
+    if (w.cols, w.rows) == (k, out) {
+        return exl3_linear(&w.shape, w.trellis(), &w.suh, &w.svh, x, n, y);
+    }
+    // Padded to 128s (as exllamav3 stores dimensions that are not): zero-extend the inputs (the
+    // padded weight rows are zeros), keep the first `rows` outputs.
+    let mut xp = vec![0.0f32; n * k];
+    for (d, s) in xp.chunks_mut(k).zip(x.chunks(w.cols)) {
+        d[..w.cols].copy_from_slice(s);
+    }
+    let mut yp = vec![0.0f32; n * out];
+    exl3_linear(&w.shape, w.trellis(), &w.suh, &w.svh, &xp, n, &mut yp);
+    for (d, s) in y.chunks_mut(w.rows).zip(yp.chunks(out)) {
+        d.copy_from_slice(&s[..w.rows]);
+    }
 }
 
 /// Activation rows from which decoding each 128-output band of `W_inner` to f32 once and

@@ -78,10 +78,16 @@ impl Matrix {
 }
 
 /// An EXL3 linear layer (`y = x W`, W `[k in][n out]`): the trellis stays in the memory map,
-/// compressed; the fp16 sign/scale vectors are copied out as f32.
+/// compressed; the fp16 sign/scale vectors are copied out as f32. exllamav3 pads both dimensions
+/// to multiples of 128 (its Hadamard blocks): `shape` is the stored, padded geometry; the layer
+/// takes `cols` inputs (zero-extended) and gives its first `rows` outputs.
 #[derive(Clone)]
 pub struct Exl3Matrix {
     pub shape: Exl3Shape,
+    /// Output features the model uses (`<= shape.n`).
+    pub rows: usize,
+    /// Input features the model gives (`<= shape.k`).
+    pub cols: usize,
     /// Input-side scales (`suh`, or legacy `su` signs), `k` values.
     pub suh: Vec<f32>,
     /// Output-side scales (`svh`, or legacy `sv` signs), `n` values.
@@ -124,14 +130,14 @@ impl LinearWeight {
     pub fn rows(&self) -> usize {
         match self {
             LinearWeight::Ggml(m) => m.rows,
-            LinearWeight::Exl3(e) => e.shape.n,
+            LinearWeight::Exl3(e) => e.rows,
         }
     }
     /// Input features.
     pub fn cols(&self) -> usize {
         match self {
             LinearWeight::Ggml(m) => m.cols,
-            LinearWeight::Exl3(e) => e.shape.k,
+            LinearWeight::Exl3(e) => e.cols,
         }
     }
 }
@@ -203,9 +209,9 @@ impl TensorSource {
         };
         let shape =
             Exl3Shape::from_trellis(&t.shape, codebook).map_err(|e| anyhow!("{base}: {e}"))?;
-        if (shape.n, shape.k) != (rows, cols) {
+        if (shape.n, shape.k) != (rows.next_multiple_of(128), cols.next_multiple_of(128)) {
             bail!(
-                "EXL3 layer {base} is {}x{} (out x in), expected {rows}x{cols}",
+                "EXL3 layer {base} is {}x{} (out x in), expected {rows}x{cols} (padded to 128s)",
                 shape.n,
                 shape.k
             );
@@ -231,6 +237,8 @@ impl TensorSource {
         };
         Ok(Some(Exl3Matrix {
             shape,
+            rows,
+            cols,
             suh: scales("suh", "su", shape.k)?,
             svh: scales("svh", "sv", shape.n)?,
             map: s.shards[t.shard].1.clone(),
@@ -452,7 +460,17 @@ impl Weights {
             Ok(Linear {
                 w: src.linear_weight(n, rows, cols, cfg.exl3)?,
                 b: if bias {
-                    Some(src.vector(&format!("{n}.bias"), rows)?)
+                    let name = format!("{n}.bias");
+                    let padded = rows.next_multiple_of(128);
+                    Some(match src.vector(&name, rows) {
+                        // An EXL3 layer padded to 128 outputs may store its bias padded too.
+                        Err(_) if cfg.exl3 && padded != rows && src.has(&name) => {
+                            let mut b = src.vector(&name, padded)?;
+                            b.truncate(rows);
+                            b
+                        }
+                        r => r?,
+                    })
                 } else {
                     None
                 },
