@@ -7,8 +7,8 @@ use anyhow::{bail, Result};
 use clap::Args;
 
 use super::ModelArgs;
+use crate::backend::{self, Device};
 use crate::model::decoder::Logits;
-use crate::model::KvCache;
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
@@ -26,7 +26,8 @@ pub struct BenchArgs {
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
-    /// `cpu`, or `cuda` (with `--shape`, or `--check` on `--model`).
+    /// `cpu`, or `cuda`: `--model` on the first GPU (weights as bf16), or with `--shape` /
+    /// `--check` the GPU benchmark on synthetic weights / the GPU-against-CPU check.
     #[arg(long, default_value = "cpu")]
     pub device: String,
     /// cuda: synthetic seeded weights of a named shape (llama-3.1-8b, tiny), made on the GPU.
@@ -55,11 +56,12 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if a.repetitions == 0 {
         bail!("--repetitions must be at least 1");
     }
-    match a.device.as_str() {
-        "cpu" => {}
-        "cuda" => return super::bench_cuda::run(&a),
+    let device = match a.device.as_str() {
+        "cpu" => Device::Cpu,
+        "cuda" if a.shape.is_some() || a.check => return super::bench_cuda::run(&a),
+        "cuda" => Device::Cuda,
         other => bail!("unknown --device '{other}' (cpu, cuda)"),
-    }
+    };
     let m = a.model.load_with(false)?;
     let dec = &m.decoder;
     let cfg = &dec.cfg;
@@ -75,23 +77,25 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let tokens: Vec<u32> = (0..a.n_prompt.max(1) as u64)
         .map(|i| ((i.wrapping_mul(2654435761) + 7) % cfg.vocab as u64) as u32)
         .collect();
+    // The same passes as generation, on whichever device: each returns its logits to the host.
+    let mut seq = backend::sequence(dec, device, a.n_prompt.max(a.n_gen) + 1)?;
     let mut pp = Vec::new();
     let mut tg = Vec::new();
     for rep in 0..=a.repetitions {
         if a.n_prompt > 0 {
-            let mut cache = KvCache::new(cfg);
+            seq.reset()?;
             let t = Instant::now();
-            dec.forward(&tokens[..a.n_prompt], &mut cache, Logits::Last);
+            seq.forward(&tokens[..a.n_prompt], Logits::Last)?;
             if rep > 0 {
                 pp.push(a.n_prompt as f64 / t.elapsed().as_secs_f64());
             }
         }
         if a.n_gen > 0 {
-            let mut cache = KvCache::new(cfg);
+            seq.reset()?;
             let mut tok = cfg.bos_id.unwrap_or(0);
             let t = Instant::now();
             for _ in 0..a.n_gen {
-                let logits = dec.forward(&[tok], &mut cache, Logits::Last);
+                let logits = seq.forward(&[tok], Logits::Last)?;
                 tok = crate::engine::sampler::argmax(&logits);
             }
             if rep > 0 {
@@ -105,6 +109,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if a.json {
         let obj = serde_json::json!({
             "model": m.path.display().to_string(),
+            "device": a.device,
             "threads": threads,
             "n_prompt": a.n_prompt,
             "n_gen": a.n_gen,

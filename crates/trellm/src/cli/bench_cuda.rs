@@ -33,7 +33,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         return Ok(());
     }
     let Some(shape) = &a.shape else {
-        bail!("--device cuda needs --shape (llama-3.1-8b, tiny) or --check");
+        bail!("the GPU benchmark needs --shape (llama-3.1-8b, tiny) or --check");
     };
     let o = trellm_cuda::bench::BenchOptions {
         n_prompt: a.n_prompt.max(1),
