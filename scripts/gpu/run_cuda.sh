@@ -61,6 +61,8 @@ for m in llama qwen3; do
         echo "$m $dev $("$BIN" generate -M tests/fixtures/tiny/$m --prompt-ids 1,2,3,4,5 -m 24 --json -q --device $dev 2>&1)"
     done
 done | tee "$OUT/generate.txt"
+echo "== bench --device cuda on a model folder"
+"$BIN" bench --device cuda -M tests/fixtures/tiny/llama -p 64 -n 32 -r 3 --json 2>&1 | tee "$OUT/bench_model.json"
 for t in .device/tests/*; do
     [ -x "$t" ] || continue
     echo "== test binary $(basename "$t") (carried)"
