@@ -190,8 +190,29 @@ pub fn argmax(x: &[f32]) -> u32 {
 
 /// Keeps the smallest set of most likely tokens whose mass reaches `top_p` of the total, with
 /// mlx-lm's arithmetic: sorted ascending, mass strictly above each entry, threshold by count.
+///
+/// Only entries within [`TOP_P_NATS`] of the largest are sorted: the running f32 sum taken from
+/// the top already holds the largest probability, and each smaller one is below half its ulp,
+/// so adding them changes no sum and they are always dropped; the result is the full sort's
+/// ([`apply_top_p_full`]) bit for bit, without sorting a 262k vocabulary every token.
 pub fn apply_top_p(lp: &mut [f32], top_p: f32) {
-    let mut sorted = lp.to_vec();
+    let top = lp.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let floor = top - TOP_P_NATS;
+    let candidates: Vec<f32> = lp.iter().copied().filter(|&v| v >= floor).collect();
+    let threshold = top_p_threshold(candidates, top_p);
+    for v in lp.iter_mut() {
+        if *v < threshold {
+            *v = f32::NEG_INFINITY;
+        }
+    }
+}
+
+/// How far below the largest log-probability an entry still can move the sums: e^-20 is 15
+/// times below 2^-25, under half an f32 ulp of any sum holding the largest probability.
+const TOP_P_NATS: f32 = 20.0;
+
+/// The smallest value `apply_top_p` keeps, from (at least) its candidates.
+fn top_p_threshold(mut sorted: Vec<f32>, top_p: f32) -> f32 {
     sorted.sort_by(|a, b| a.total_cmp(b));
     let probs: Vec<f32> = sorted.iter().map(|v| v.exp()).collect();
     let n = probs.len();
@@ -203,7 +224,12 @@ pub fn apply_top_p(lp: &mut [f32], top_p: f32) {
     }
     let total = mass_above[0] + probs[0];
     let dropped = mass_above.iter().filter(|&&m| m >= top_p * total).count();
-    let threshold = sorted[dropped.min(n - 1)];
+    sorted[dropped.min(n - 1)]
+}
+
+/// [`apply_top_p`] sorting every entry: the slow exact twin it is tested against.
+pub fn apply_top_p_full(lp: &mut [f32], top_p: f32) {
+    let threshold = top_p_threshold(lp.to_vec(), top_p);
     for v in lp.iter_mut() {
         if *v < threshold {
             *v = f32::NEG_INFINITY;
@@ -261,6 +287,33 @@ pub fn top_indices(x: &[f32], k: usize) -> Vec<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The candidate-only top-p equals the full sort on peaked, flat and tied distributions over
+    /// a 262k vocabulary, for many thresholds.
+    #[test]
+    fn top_p_candidates_match_the_full_sort() {
+        let mut s = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 24) as f32
+        };
+        for (spread, peak) in [(30.0f32, 0.0f32), (3.0, 0.0), (60.0, 25.0), (0.0, 0.0)] {
+            let mut lp: Vec<f32> = (0..262_144).map(|_| next() * spread).collect();
+            lp[1234] += peak;
+            cpu::log_softmax(&mut lp);
+            for top_p in [0.05f32, 0.5, 0.9, 0.95, 0.999, 0.9999999] {
+                let (mut a, mut b) = (lp.clone(), lp.clone());
+                apply_top_p(&mut a, top_p);
+                apply_top_p_full(&mut b, top_p);
+                assert!(
+                    a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "spread {spread} peak {peak} top_p {top_p}"
+                );
+            }
+        }
+    }
 
     #[test]
     fn top_p_keeps_the_nucleus() {
