@@ -269,6 +269,76 @@ fn exp_poly(x: f32) -> f32 {
     p * f32::from_bits(((i as i32 + 127) << 23) as u32)
 }
 
+/// The largest value (NaNs ignored, -inf for none), in 16 lanes.
+pub fn max(x: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; 16];
+    let mut chunks = x.chunks_exact(16);
+    for c in &mut chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a = if v > *a { v } else { *a };
+        }
+    }
+    acc.iter()
+        .chain(chunks.remainder())
+        .copied()
+        .fold(f32::NEG_INFINITY, f32::max)
+}
+
+/// `e^((v - m) * scale)` for each `v` of `x` into `out` (0 for -inf), vectorized.
+pub fn exp_weights(x: &[f32], m: f32, scale: f32, out: &mut [f32]) {
+    #[inline(always)]
+    fn run(x: &[f32], m: f32, scale: f32, out: &mut [f32]) {
+        for (o, &v) in out.iter_mut().zip(x) {
+            let e = exp_poly((v - m) * scale);
+            *o = if v == f32::NEG_INFINITY { 0.0 } else { e };
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    unsafe fn run_avx512(x: &[f32], m: f32, scale: f32, out: &mut [f32]) {
+        run(x, m, scale, out)
+    }
+    #[cfg(target_arch = "x86_64")]
+    if best_level() == Level::Avx512 {
+        // SAFETY: the level was detected on this CPU.
+        return unsafe { run_avx512(x, m, scale, out) };
+    }
+    run(x, m, scale, out)
+}
+
+/// The sum of `exp_weights`, in 16 lanes (vectorized), without storing the weights.
+pub fn sum_exp(x: &[f32], m: f32, scale: f32) -> f32 {
+    #[inline(always)]
+    fn run(x: &[f32], m: f32, scale: f32) -> f32 {
+        let mut acc = [0.0f32; 16];
+        let mut chunks = x.chunks_exact(16);
+        for c in &mut chunks {
+            for (a, &v) in acc.iter_mut().zip(c) {
+                let e = exp_poly((v - m) * scale);
+                *a += if v == f32::NEG_INFINITY { 0.0 } else { e };
+            }
+        }
+        let mut s: f32 = acc.iter().sum();
+        for &v in chunks.remainder() {
+            if v != f32::NEG_INFINITY {
+                s += exp_poly((v - m) * scale);
+            }
+        }
+        s
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    unsafe fn run_avx512(x: &[f32], m: f32, scale: f32) -> f32 {
+        run(x, m, scale)
+    }
+    #[cfg(target_arch = "x86_64")]
+    if best_level() == Level::Avx512 {
+        // SAFETY: the level was detected on this CPU.
+        return unsafe { run_avx512(x, m, scale) };
+    }
+    run(x, m, scale)
+}
+
 /// `gate = act(gate) * up` (gated MLPs) over whole rows, vectorized.
 pub fn gated_activation(act: Activation, gate: &mut [f32], up: &[f32]) {
     #[inline(always)]
@@ -321,11 +391,11 @@ pub fn softmax(x: &mut [f32]) {
 
 /// `log_softmax` of logits, as the reference's `logits - logsumexp(logits)`.
 pub fn log_softmax(x: &mut [f32]) {
-    let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let m = max(x);
     if !m.is_finite() {
         return;
     }
-    let s: f32 = x.iter().map(|v| (v - m).exp()).sum();
+    let s = sum_exp(x, m, 1.0);
     let lse = m + s.ln();
     for v in x.iter_mut() {
         *v -= lse;

@@ -155,21 +155,34 @@ impl Sampler {
         self.categorical(&lp, 1.0 / p.temp)
     }
 
+    /// A draw with probabilities `e^(lp * inv_temp)` (normalized; -inf entries never drawn).
     fn categorical(&mut self, lp: &[f32], inv_temp: f32) -> u32 {
-        let scaled: Vec<f32> = lp.iter().map(|v| v * inv_temp).collect();
-        let m = scaled.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let weights: Vec<f64> = scaled.iter().map(|&v| ((v - m) as f64).exp()).collect();
-        let total: f64 = weights.iter().sum();
+        const CHUNK: usize = 4096;
+        let m = cpu::max(lp);
+        let mut weights = vec![0.0f32; lp.len()];
+        cpu::exp_weights(lp, m, inv_temp, &mut weights);
+        // Chunk sums first: the walk then skips whole chunks.
+        let sums: Vec<f64> = weights
+            .chunks(CHUNK)
+            .map(|c| c.iter().map(|&w| w as f64).sum())
+            .collect();
+        let total: f64 = sums.iter().sum();
         let mut u = self.rng.gen::<f64>() * total;
-        for (i, w) in weights.iter().enumerate() {
-            if *w > 0.0 {
-                if u < *w {
-                    return i as u32;
+        for (c, &cs) in sums.iter().enumerate() {
+            if u >= cs {
+                u -= cs;
+                continue;
+            }
+            for (i, &w) in weights[c * CHUNK..].iter().take(CHUNK).enumerate() {
+                if w > 0.0 {
+                    if u < w as f64 {
+                        return (c * CHUNK + i) as u32;
+                    }
+                    u -= w as f64;
                 }
-                u -= w;
             }
         }
-        argmax(&scaled)
+        argmax(lp)
     }
 }
 
@@ -292,6 +305,39 @@ pub fn top_indices(x: &[f32], k: usize) -> Vec<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Draws follow `p^(1/temp)` (normalized) and never pick a filtered (-inf) entry.
+    #[test]
+    fn categorical_frequencies() {
+        let p = [0.5f32, 0.3, 0.2];
+        let mut lp: Vec<f32> = p.iter().map(|v| v.ln()).collect();
+        lp.push(f32::NEG_INFINITY);
+        // Spread over chunks of the walk: a long tail of filtered entries in between.
+        lp.splice(1..1, std::iter::repeat_n(f32::NEG_INFINITY, 9000));
+        for temp in [1.0f32, 0.5] {
+            let mut s = Sampler::new(SamplerParams {
+                temp,
+                seed: Some(7),
+                ..Default::default()
+            });
+            let n = 40_000;
+            let mut counts = [0usize; 3];
+            for _ in 0..n {
+                match s.sample(&lp) {
+                    0 => counts[0] += 1,
+                    9001 => counts[1] += 1,
+                    9002 => counts[2] += 1,
+                    other => panic!("drew filtered entry {other}"),
+                }
+            }
+            let w: Vec<f32> = p.iter().map(|v| v.powf(1.0 / temp)).collect();
+            let z: f32 = w.iter().sum();
+            for (c, wi) in counts.iter().zip(&w) {
+                let f = *c as f32 / n as f32;
+                assert!((f - wi / z).abs() < 0.01, "temp {temp}: {counts:?}");
+            }
+        }
+    }
 
     /// The candidate-only top-p equals the full sort on peaked, flat and tied distributions over
     /// a 262k vocabulary, for many thresholds.
