@@ -501,6 +501,7 @@ impl Tuning {
         }
     }
 }
+/// A numeric tuning variable, if set and a number.
 fn env_usize(k: &str) -> Option<usize> {
     std::env::var(k).ok().and_then(|v| v.parse::<usize>().ok())
 }
@@ -884,7 +885,7 @@ impl DenseModel {
         Ok(graph)
     }
 
-    /// Drops the captured decode graph (the next step captures anew, e.g. after
+    /// Drops the captured decode graphs (the next step captures anew, e.g. after
     /// [`Gpu::set_pdl`]).
     pub fn recapture(&mut self) {
         self.graphs = [None, None];
