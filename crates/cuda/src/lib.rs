@@ -231,16 +231,18 @@ impl Gpu {
         block: u32,
         args: &[Arg],
     ) -> Result<()> {
-        self.launch_cluster(f, grid, block, None, args)
+        self.launch_cluster(f, grid, block, None, false, args)
     }
 
-    /// Launches `f` with its blocks grouped in thread-block clusters of `cluster` (sm_90+).
+    /// Launches `f` with its blocks grouped in thread-block clusters of `cluster` (sm_90+), and
+    /// with programmatic dependent launch when `pdl` (sm_90+; also when [`Gpu::pdl`] is on).
     pub fn launch_cluster(
         &self,
         f: &CudaFunction,
         grid: (u32, u32, u32),
         block: u32,
         cluster: Option<(u32, u32, u32)>,
+        pdl: bool,
         args: &[Arg],
     ) -> Result<()> {
         if self.profile.lock().unwrap().is_some() {
@@ -251,10 +253,10 @@ impl Gpu {
                 .get(&(f.cu_function() as usize))
                 .cloned();
             return self.timed(name.as_deref().unwrap_or("?"), || {
-                self.launch_now(f, grid, block, cluster, args)
+                self.launch_now(f, grid, block, cluster, pdl, args)
             });
         }
-        self.launch_now(f, grid, block, cluster, args)
+        self.launch_now(f, grid, block, cluster, pdl, args)
     }
 
     fn launch_now(
@@ -263,6 +265,7 @@ impl Gpu {
         grid: (u32, u32, u32),
         block: u32,
         cluster: Option<(u32, u32, u32)>,
+        pdl: bool,
         args: &[Arg],
     ) -> Result<()> {
         let mut store: Vec<u64> = args
@@ -280,7 +283,7 @@ impl Gpu {
             .map(|v| v as *mut u64 as *mut c_void)
             .collect();
         let mut attrs = Vec::new();
-        if self.pdl() {
+        if self.pdl() || (pdl && self.sm90_or_newer()) {
             // SAFETY: an all-zero union is a valid value; the field is then set.
             let mut value: dsys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
             value.programmaticStreamSerializationAllowed = 1;

@@ -83,7 +83,7 @@ __device__ __forceinline__ void cluster_merge(const float (&mx)[RPW], const floa
         const int t = r / group, h = kvh * group + r % group;
         out[((long long)t * n_heads + h) * HD + d] = f2bf(den > 0.0f ? num / den : 0.0f);
     }
-    cluster_sync();
+    cluster_sync_relaxed();
 #else
     __trap();
 #endif
@@ -94,7 +94,10 @@ attn_partial(const float* __restrict__ q, const bf16* __restrict__ kc, const bf1
              const int* __restrict__ pos, int m, int n_heads, int n_kv, int window, float softcap,
              int chunk, int n_splits, float* __restrict__ part_acc, float* __restrict__ part_ml,
              bf16* __restrict__ out) {
-    GRID_SYNC();
+    // Launched early (PDL) behind the qkv projection, everything up to the first tile's loads
+    // reads only what earlier steps wrote (positions, older keys); GRID_WAIT then waits for the
+    // projection (queries and the newest keys).
+    GRID_LAUNCH_DEPENDENTS();
     __shared__ float qs[ATT_ROWS][HD];
     __shared__ u32 ks[KT * KW];
     __shared__ __align__(16) u32 vs[KT * VW];
@@ -149,7 +152,11 @@ attn_partial(const float* __restrict__ q, const bf16* __restrict__ kc, const bf1
             }
         }
     };
-    if (k_begin <= k_end) load_tile(k_begin);
+    // Tiles wholly before this pass's first position hold only older keys.
+    const bool early = k_begin <= k_end && k_end < pos[0];
+    if (early) load_tile(k_begin);
+    GRID_WAIT();
+    if (!early && k_begin <= k_end) load_tile(k_begin);
 
     // Each warp's rows: key range clipped to this split, and the query in shared memory.
     int row_lo[RPW], row_hi[RPW];
