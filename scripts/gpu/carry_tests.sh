@@ -8,8 +8,13 @@ mkdir -p .device/tests
 strip -o .device/trellm target/release/trellm
 for pt in trellm:cuda_vs_cpu trellm-cuda:gpu_dense; do
     pkg=${pt%%:*} t=${pt#*:}
+    # The test target's executable (the package's binary is built and listed too).
     bin=$(cargo test --release --no-run --message-format=json -p "$pkg" --test "$t" 2>/dev/null \
-        | grep -o '"executable":"[^"]*"' | cut -d'"' -f4 | tail -n1)
+        | python3 -c 'import json, sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m["target"]["kind"] == ["test"] and m.get("executable"):
+        print(m["executable"])' | tail -n1)
     strip -o ".device/tests/$t" "$bin"
 done
 ls -la .device .device/tests

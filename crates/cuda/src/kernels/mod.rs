@@ -60,6 +60,7 @@ pub const ATTENTION: KernelSource = KernelSource {
         "attn_combine",
         "attn_softmax",
         "attn_unstack",
+        "attn_flash",
     ],
     hot: true,
     variants: &[
