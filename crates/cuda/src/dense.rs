@@ -781,13 +781,7 @@ impl DenseModel {
     /// One decode step: the graph (captured on first use) embeds the pending token at position
     /// `len`, computes the logits and leaves their argmax as the next token.
     pub fn decode_step(&mut self) -> Result<()> {
-        ensure!(
-            self.len < self.max_context,
-            "context full ({} positions)",
-            self.max_context
-        );
-        self.refresh_rope(self.len + 1)?;
-        let cluster = self.cluster_attention(self.len + 1);
+        let cluster = self.begin_decode_step()?;
         let slot = cluster as usize;
         if self.graphs[slot].is_none() {
             self.graphs[slot] = Some(self.capture(cluster)?);
@@ -800,14 +794,9 @@ impl DenseModel {
     /// One decode step outside the graph with every kernel timed (for `bench`): the step's
     /// kernels are queued behind a spin so the device never waits on the host.
     pub fn profile_decode_step(&mut self) -> Result<Vec<crate::KernelTime>> {
-        ensure!(
-            self.len < self.max_context,
-            "context full ({} positions)",
-            self.max_context
-        );
-        self.refresh_rope(self.len + 1)?;
+        let cluster = self.begin_decode_step()?;
         let g = self.gpu.clone();
-        let inp = self.decode_inputs(self.cluster_attention(self.len + 1));
+        let inp = self.decode_inputs(cluster);
         g.spin(20.0)?;
         g.start_profile();
         let r = self.enqueue(inp);
@@ -834,6 +823,18 @@ impl DenseModel {
             self.decode_step()?;
         }
         Ok(())
+    }
+
+    /// Checks there is room for one more position and readies the step's RoPE tables; returns
+    /// whether the step runs the cluster attention.
+    fn begin_decode_step(&mut self) -> Result<bool> {
+        ensure!(
+            self.len < self.max_context,
+            "context full ({} positions)",
+            self.max_context
+        );
+        self.refresh_rope(self.len + 1)?;
+        Ok(self.cluster_attention(self.len + 1))
     }
 
     /// Dynamic RoPE: uploads the layers' inverse frequencies for a pass whose last position is

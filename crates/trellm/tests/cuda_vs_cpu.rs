@@ -13,16 +13,20 @@ const REL_TOL: f64 = 5e-2;
 /// Ids may differ only where the CPU's top-2 logit gap is below this.
 const TIE_GAP: f32 = 5e-2;
 
+fn fixtures() -> PathBuf {
+    PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tests/fixtures/tiny"
+    ))
+}
+
 #[test]
 fn tiny_fixtures_match_the_cpu() {
     if !cuda::available() {
         eprintln!("skipped: {}", cuda::unavailable_reason());
         return;
     }
-    let dir = PathBuf::from(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../tests/fixtures/tiny"
-    ));
+    let dir = fixtures();
     let mut names: Vec<String> = std::fs::read_dir(&dir)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
@@ -50,10 +54,7 @@ fn generate_runs_on_the_gpu_sequence() {
         eprintln!("skipped: {}", cuda::unavailable_reason());
         return;
     }
-    let dir = PathBuf::from(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../tests/fixtures/tiny"
-    ));
+    let dir = fixtures();
     for name in ["llama", "qwen3", "gemma3", "phi3"] {
         let m = trellm::model::load::load(&dir.join(name)).unwrap();
         let dec = &m.decoder;
@@ -64,14 +65,8 @@ fn generate_runs_on_the_gpu_sequence() {
         let mut gpu = backend::sequence(dec, Device::Cuda, 64).unwrap();
         let c = cpu.forward(&prompt, Logits::Last).unwrap();
         let g = gpu.forward(&prompt, Logits::Last).unwrap();
-        let num: f64 = c
-            .iter()
-            .zip(&g)
-            .map(|(a, b)| ((a - b) as f64).powi(2))
-            .sum();
-        let den: f64 = c.iter().map(|a| (*a as f64).powi(2)).sum();
         assert!(
-            (num / den).sqrt() < REL_TOL,
+            cuda::errors(&g, &c).0 < REL_TOL,
             "{name}: prefill logits differ"
         );
         let opts = GenerateOptions {

@@ -100,6 +100,20 @@ fn ours(dir: &Path, ids: &[u64]) -> Vec<Vec<f64>> {
         .collect()
 }
 
+/// A copy of the mul1-3.0 folder (weights, oracle logits) whose config.json `edit` changed.
+fn relabelled(edit: impl FnOnce(&mut Value)) -> tempfile::TempDir {
+    let src = dir("mul1-3.0");
+    let tmp = tempfile::tempdir().unwrap();
+    for f in ["model.safetensors", "oracle_logits.safetensors"] {
+        std::fs::copy(src.join(f), tmp.path().join(f)).unwrap();
+    }
+    let cfg = std::fs::read_to_string(src.join("config.json")).unwrap();
+    let mut v: Value = serde_json::from_str(&cfg).unwrap();
+    edit(&mut v);
+    std::fs::write(tmp.path().join("config.json"), v.to_string()).unwrap();
+    tmp
+}
+
 fn argmax(x: &[f64]) -> usize {
     (0..x.len()).fold(0, |b, i| if x[i] > x[b] { i } else { b })
 }
@@ -176,19 +190,7 @@ fn layers_load_as_exl3() {
 /// make us use the embedding instead.
 #[test]
 fn quantized_head_even_when_tied() {
-    let src = dir("mul1-3.0");
-    let tmp = tempfile::tempdir().unwrap();
-    for f in [
-        "config.json",
-        "model.safetensors",
-        "oracle_logits.safetensors",
-    ] {
-        std::fs::copy(src.join(f), tmp.path().join(f)).unwrap();
-    }
-    let cfg = std::fs::read_to_string(src.join("config.json")).unwrap();
-    let mut v: Value = serde_json::from_str(&cfg).unwrap();
-    v["tie_word_embeddings"] = Value::Bool(true);
-    std::fs::write(tmp.path().join("config.json"), v.to_string()).unwrap();
+    let tmp = relabelled(|v| v["tie_word_embeddings"] = Value::Bool(true));
     check(tmp.path());
 }
 
@@ -197,20 +199,10 @@ fn quantized_head_even_when_tied() {
 /// scaling: the same network) must load its parts and give exllamav3's logits.
 #[test]
 fn phi3_reads_its_projections_as_stored_parts() {
-    let src = dir("mul1-3.0");
-    let tmp = tempfile::tempdir().unwrap();
-    for f in [
-        "config.json",
-        "model.safetensors",
-        "oracle_logits.safetensors",
-    ] {
-        std::fs::copy(src.join(f), tmp.path().join(f)).unwrap();
-    }
-    let cfg = std::fs::read_to_string(src.join("config.json")).unwrap();
-    let mut v: Value = serde_json::from_str(&cfg).unwrap();
-    v["model_type"] = Value::from("phi3");
-    v["architectures"] = serde_json::json!(["Phi3ForCausalLM"]);
-    std::fs::write(tmp.path().join("config.json"), v.to_string()).unwrap();
+    let tmp = relabelled(|v| {
+        v["model_type"] = Value::from("phi3");
+        v["architectures"] = serde_json::json!(["Phi3ForCausalLM"]);
+    });
     let m = trellm::model::load::load(tmp.path()).unwrap();
     assert!(m.decoder.cfg.fused_qkv && m.decoder.cfg.fused_gate_up);
     check(tmp.path());
@@ -224,14 +216,7 @@ fn phi3_reads_its_projections_as_stored_parts() {
 fn padded_layers_take_the_model_dims() {
     use trellm::backend::cpu::linear;
     let src = dir("mul1-3.0");
-    let tmp = tempfile::tempdir().unwrap();
-    for f in ["config.json", "model.safetensors"] {
-        std::fs::copy(src.join(f), tmp.path().join(f)).unwrap();
-    }
-    let cfg = std::fs::read_to_string(src.join("config.json")).unwrap();
-    let mut v: Value = serde_json::from_str(&cfg).unwrap();
-    v["intermediate_size"] = Value::from(700);
-    std::fs::write(tmp.path().join("config.json"), v.to_string()).unwrap();
+    let tmp = relabelled(|v| v["intermediate_size"] = Value::from(700));
     let full = trellm::model::load::load(&src).unwrap();
     let cut = trellm::model::load::load(tmp.path()).unwrap();
     let (fl, cl) = (

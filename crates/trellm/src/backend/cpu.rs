@@ -377,7 +377,7 @@ pub fn activation(act: Activation, x: &[f32], out: &mut [f32]) {
 
 /// In-place softmax.
 pub fn softmax(x: &mut [f32]) {
-    let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let m = max(x);
     let mut s = 0.0;
     for v in x.iter_mut() {
         *v = (*v - m).exp();

@@ -278,7 +278,8 @@ impl CheckReport {
     }
 }
 
-fn errors(gpu: &[f32], cpu: &[f32]) -> (f64, f64) {
+/// The relative L2 error `|gpu - cpu| / |cpu|` and the largest `|gpu - cpu|`.
+pub fn errors(gpu: &[f32], cpu: &[f32]) -> (f64, f64) {
     let (mut num, mut den, mut max) = (0.0f64, 0.0f64, 0.0f64);
     for (&g, &c) in gpu.iter().zip(cpu) {
         let d = (g - c) as f64;

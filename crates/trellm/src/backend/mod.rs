@@ -21,6 +21,16 @@ pub enum Device {
     Cuda,
 }
 
+impl Device {
+    /// The name `--device` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Device::Cpu => "cpu",
+            Device::Cuda => "cuda",
+        }
+    }
+}
+
 /// One sequence on a backend: its KV cache and its forward passes.
 pub trait Sequence {
     /// Runs `tokens` at the next positions and returns the logits of the last position, or of

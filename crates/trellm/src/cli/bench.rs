@@ -28,8 +28,8 @@ pub struct BenchArgs {
     pub json: bool,
     /// `cpu`, or `cuda`: `--model` on the first GPU (weights as bf16), or with `--shape` /
     /// `--check` the GPU benchmark on synthetic weights / the GPU-against-CPU check.
-    #[arg(long, default_value = "cpu")]
-    pub device: String,
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    pub device: Device,
     /// cuda: synthetic seeded weights of a named shape (llama-3.1-8b, tiny), made on the GPU.
     #[arg(long)]
     pub shape: Option<String>,
@@ -56,12 +56,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if a.repetitions == 0 {
         bail!("--repetitions must be at least 1");
     }
-    let device = match a.device.as_str() {
-        "cpu" => Device::Cpu,
-        "cuda" if a.shape.is_some() || a.check => return super::bench_cuda::run(&a),
-        "cuda" => Device::Cuda,
-        other => bail!("unknown --device '{other}' (cpu, cuda)"),
-    };
+    if a.device == Device::Cuda && (a.shape.is_some() || a.check) {
+        return super::bench_cuda::run(&a);
+    }
     let m = a.model.load_with(false)?;
     let dec = &m.decoder;
     let cfg = &dec.cfg;
@@ -78,7 +75,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         .map(|i| ((i.wrapping_mul(2654435761) + 7) % cfg.vocab as u64) as u32)
         .collect();
     // The same passes as generation, on whichever device: each returns its logits to the host.
-    let mut seq = backend::sequence(dec, device, a.n_prompt.max(a.n_gen) + 1)?;
+    let mut seq = backend::sequence(dec, a.device, a.n_prompt.max(a.n_gen) + 1)?;
     let mut pp = Vec::new();
     let mut tg = Vec::new();
     for rep in 0..=a.repetitions {
@@ -109,7 +106,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if a.json {
         let obj = serde_json::json!({
             "model": m.path.display().to_string(),
-            "device": a.device,
+            "device": a.device.name(),
             "threads": threads,
             "n_prompt": a.n_prompt,
             "n_gen": a.n_gen,
