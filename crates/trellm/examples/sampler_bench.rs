@@ -5,8 +5,9 @@
 
 use std::time::Instant;
 
+use trellm::backend::SoloSequence;
 use trellm::engine::sampler::{apply_top_p, apply_top_p_full, Sampler, SamplerParams};
-use trellm::model::decoder::Logits;
+use trellm_model::Want;
 
 fn ms_per_call(reps: usize, mut f: impl FnMut()) -> f64 {
     f();
@@ -23,9 +24,10 @@ fn main() {
         .unwrap_or_else(|| "gemma-3-270m".into());
     let path = trellm_hub::resolve_model(&name, false).expect("model");
     let m = trellm::model::load::load(&path).expect("loads");
-    let mut cache = trellm::model::KvCache::new(&m.decoder.cfg);
     let ids = [2u32, 818, 5279, 529, 506, 12498, 563];
-    let logits = m.decoder.forward(&ids, &mut cache, Logits::Last);
+    let logits = SoloSequence::new(&*m.model, ids.len())
+        .and_then(|mut s| s.forward(&ids, Want::Last))
+        .expect("runs");
     println!(
         "{name}: {} logits, ms a token (logprobs + filters + draw)",
         logits.len()

@@ -170,7 +170,7 @@ fn logits_match_exllamav3() {
 fn layers_load_as_exl3() {
     for (tag, bits) in FOLDERS {
         let m = trellm::model::load::load(&dir(tag)).unwrap();
-        let w = &m.decoder.weights;
+        let w = &m.model.weights;
         let exl3_bits = |l: &LinearWeight| match l {
             LinearWeight::Exl3(e) => e.shape.rate.bits(),
             LinearWeight::Ggml(_) => panic!("{tag}: a projection was not loaded as EXL3"),
@@ -204,7 +204,7 @@ fn phi3_reads_its_projections_as_stored_parts() {
         v["architectures"] = serde_json::json!(["Phi3ForCausalLM"]);
     });
     let m = trellm::model::load::load(tmp.path()).unwrap();
-    assert!(m.decoder.cfg.fused_qkv && m.decoder.cfg.fused_gate_up);
+    assert!(m.model.cfg.fused_qkv && m.model.cfg.fused_gate_up);
     check(tmp.path());
 }
 
@@ -219,11 +219,8 @@ fn padded_layers_take_the_model_dims() {
     let tmp = relabelled(|v| v["intermediate_size"] = Value::from(700));
     let full = trellm::model::load::load(&src).unwrap();
     let cut = trellm::model::load::load(tmp.path()).unwrap();
-    let (fl, cl) = (
-        &full.decoder.weights.layers[1],
-        &cut.decoder.weights.layers[1],
-    );
-    let h = full.decoder.cfg.hidden;
+    let (fl, cl) = (&full.model.weights.layers[1], &cut.model.weights.layers[1]);
+    let h = full.model.cfg.hidden;
     let x: Vec<f32> = (0..h)
         .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
         .collect();

@@ -10,7 +10,7 @@ use trellm::model::weights::{LinearWeight, Matrix};
 /// Every distinct ggml matrix type of a model, with one matrix each (large ones cut to 300 rows).
 fn matrices(alias: &str) -> Vec<(String, Matrix)> {
     let m = trellm::model::load::load(&model_path(alias)).unwrap();
-    let w = &m.decoder.weights;
+    let w = &m.model.weights;
     let l = &w.layers[0];
     let mut all: Vec<(String, &LinearWeight)> = vec![
         ("q".into(), &l.q.w),

@@ -3,18 +3,19 @@
 //! the CPU decoder in the same binary.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{anyhow, bail, ensure, Context, Result};
 use trellm_cuda::dense::{self, DenseConfig, DenseModel, DenseWeights, HostLayer, HostNorm};
 use trellm_cuda::Gpu;
 
-use super::Sequence;
+use trellm_model::{Batch, ModelBackend, Want};
+
+use super::cpu::CpuModel;
+use super::SoloSequence;
 use crate::engine::generate::PREFILL_STEP;
 use crate::model::config::{Activation, Mlp, ModelConfig, Norm, QkNorm};
-use crate::model::decoder::Logits;
 use crate::model::weights::{Linear, LinearWeight, Matrix, NormWeights, Weights};
-use crate::model::{Decoder, KvCache};
 
 pub use trellm_cuda::{available, unavailable_reason};
 
@@ -177,36 +178,98 @@ pub fn upload(
     DenseModel::new(gpu, dc, w, max_context, max_prefill)
 }
 
-/// A sequence on the first GPU: the decoder's weights uploaded as bf16, prefill through cuBLAS,
-/// decode steps as graph replays (see `trellm_cuda::dense`).
-pub struct CudaSequence {
-    model: DenseModel,
+/// The GPU decoder behind the step contract, for one sequence at a time: its KV cache is the
+/// decoder's own contiguous one, so a batch holds one sequence and the block ids are only
+/// checked for room. (Paged blocks and batched kernels on CUDA come with the GPU half of the
+/// engine work; until then the engine runs CUDA with `max_seqs = 1`.)
+pub struct CudaModel {
+    cfg: ModelConfig,
+    dense: Mutex<SendDense>,
 }
 
-impl CudaSequence {
-    /// Uploads `dec` with a KV cache of `capacity` positions (at most the model's context).
-    pub fn new(dec: &Decoder, capacity: usize) -> Result<CudaSequence> {
+/// The decoder's CUDA graphs hold raw handles, which cudarc does not mark `Send`; the mutex
+/// lets one thread at a time use them, and cudarc binds the context before each call.
+struct SendDense(DenseModel);
+// SAFETY: see above: access is serialized by the mutex and the context is bound per call.
+unsafe impl Send for SendDense {}
+
+/// The GPU's KV cache lives in its decoder; this records the pool's geometry.
+pub struct CudaCache {
+    positions: usize,
+}
+
+impl CudaModel {
+    /// Uploads `model` with a KV cache of `capacity` positions (at most the model's context).
+    pub fn new(model: &CpuModel, capacity: usize) -> Result<CudaModel> {
         if !available() {
             bail!("--device cuda: {}", unavailable_reason());
         }
         let gpu = Arc::new(Gpu::new(0)?);
-        let cap = capacity.clamp(1, dec.cfg.max_context.max(1));
-        let model = upload(gpu, &dec.cfg, &dec.weights, cap, cap.min(PREFILL_STEP))?;
-        Ok(CudaSequence { model })
+        let cap = capacity.clamp(1, model.cfg.max_context.max(1));
+        let dense = upload(gpu, &model.cfg, &model.weights, cap, cap.min(PREFILL_STEP))?;
+        Ok(CudaModel {
+            cfg: model.cfg.clone(),
+            dense: Mutex::new(SendDense(dense)),
+        })
     }
 }
 
-impl Sequence for CudaSequence {
-    fn forward(&mut self, tokens: &[u32], want: Logits) -> Result<Vec<f32>> {
-        if want == Logits::All {
+impl ModelBackend for CudaModel {
+    type Cache = CudaCache;
+
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn new_cache(&self, n_blocks: usize, block_size: usize) -> Result<CudaCache> {
+        Ok(CudaCache {
+            positions: n_blocks * block_size,
+        })
+    }
+
+    fn block_bytes(&self, block_size: usize) -> usize {
+        self.cfg.n_layers() * 2 * block_size * self.cfg.n_kv_heads * self.cfg.head_dim * 2
+    }
+
+    fn copy_blocks(&self, _: &mut CudaCache, copies: &[(u32, u32)]) -> Result<()> {
+        ensure!(
+            copies.is_empty(),
+            "shared KV blocks are not supported on CUDA yet"
+        );
+        Ok(())
+    }
+
+    fn step(&self, batch: &Batch, cache: &mut CudaCache) -> Result<Vec<f32>> {
+        let [s] = batch.seqs.as_slice() else {
+            ensure!(
+                batch.seqs.is_empty(),
+                "the CUDA backend runs one sequence at a time for now"
+            );
+            return Ok(Vec::new());
+        };
+        if s.want == Want::All {
             bail!("logits at every prompt position (--prompt-logprobs) are computed on the CPU only; drop --device cuda");
         }
-        let m = &mut self.model;
+        let mut guard = self
+            .dense
+            .lock()
+            .map_err(|_| anyhow!("the CUDA decoder panicked"))?;
+        let m = &mut guard.0;
+        if s.start == 0 {
+            m.reset()?;
+        }
         ensure!(
-            m.len() + tokens.len() <= m.max_context,
+            m.len() == s.start,
+            "the CUDA backend holds one sequence: position {} follows {}",
+            s.start,
+            m.len()
+        );
+        ensure!(
+            s.start + s.len <= m.max_context.min(cache.positions),
             "the context is full ({} positions on the GPU)",
             m.max_context
         );
+        let tokens = &batch.tokens[s.offset..s.offset + s.len];
         match tokens {
             [t] if !m.is_empty() => {
                 m.set_next_token(*t)?;
@@ -214,13 +277,10 @@ impl Sequence for CudaSequence {
             }
             _ => m.prefill(tokens)?,
         }
-        m.logits()
-    }
-    fn len(&self) -> usize {
-        self.model.len()
-    }
-    fn reset(&mut self) -> Result<()> {
-        self.model.reset()
+        match s.want {
+            Want::None => Ok(Vec::new()),
+            _ => m.logits(),
+        }
     }
 }
 
@@ -308,17 +368,17 @@ pub fn check_against_cpu(model_dir: &Path, steps: usize) -> Result<CheckReport> 
     let loaded = crate::model::load::load(&tmp);
     let _ = std::fs::remove_dir_all(&tmp);
     let loaded = loaded?;
-    let dec = &loaded.decoder;
-    let cfg = &dec.cfg;
+    let model = &*loaded.model;
+    let cfg = &model.cfg;
     let prompt: Vec<u32> = (0..11u32)
         .map(|i| (i * 37 + 3) % cfg.vocab as u32)
         .collect();
     let ctx = prompt.len() + steps + 1;
     let gpu = Arc::new(Gpu::new(0)?);
-    let mut g = upload(gpu, cfg, &dec.weights, ctx, prompt.len())?;
+    let mut g = upload(gpu, cfg, &model.weights, ctx, prompt.len())?;
 
-    let mut cache = KvCache::new(cfg);
-    let mut cpu_logits = dec.forward(&prompt, &mut cache, Logits::Last);
+    let mut cpu = SoloSequence::new(model, ctx)?;
+    let mut cpu_logits = cpu.forward(&prompt, Want::Last)?;
     g.prefill(&prompt)?;
     let mut gpu_logits = g.logits()?;
     let (mut max_rel, mut max_abs) = errors(&gpu_logits, &cpu_logits);
@@ -334,7 +394,7 @@ pub fn check_against_cpu(model_dir: &Path, steps: usize) -> Result<CheckReport> 
         gpu_ids.push(gt);
         // Both continue from the CPU's token, so later steps still compare like with like.
         g.set_next_token(c)?;
-        cpu_logits = dec.forward(&[c], &mut cache, Logits::Last);
+        cpu_logits = cpu.forward(&[c], Want::Last)?;
         g.decode_step()?;
         gpu_logits = g.logits()?;
         let (r, a) = errors(&gpu_logits, &cpu_logits);

@@ -1,15 +1,13 @@
-//! Compute backends. The CPU backend is the exact reference path every other path is tested
-//! against. The engine drives one sequence at a time through [`Sequence`], whichever device
-//! runs it.
+//! Compute backends. Each one implements [`ModelBackend`]: a loaded model shared by every
+//! sequence and a batched step over its paged KV cache. The CPU backend is the exact reference
+//! path every other path is tested against.
 
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
-use anyhow::Result;
-
-use crate::model::decoder::Logits;
-use crate::model::{Decoder, KvCache};
+use anyhow::{anyhow, Result};
+use trellm_model::{Batch, BlockPool, BlockTable, ModelBackend, Want};
 
 /// Where forward passes run (`--device`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
@@ -31,61 +29,49 @@ impl Device {
     }
 }
 
-/// One sequence on a backend: its KV cache and its forward passes.
-pub trait Sequence {
-    /// Runs `tokens` at the next positions and returns the logits of the last position, or of
-    /// every position (`Logits::All`, row by row).
-    fn forward(&mut self, tokens: &[u32], want: Logits) -> Result<Vec<f32>>;
-    /// Positions in the cache.
-    fn len(&self) -> usize;
-    fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-    /// Empties the cache.
-    fn reset(&mut self) -> Result<()>;
+/// Positions per KV block.
+pub const BLOCK_SIZE: usize = 16;
+
+/// One sequence alone on a model, with a pool of its own: the smallest client of a step (checks,
+/// tests, benchmarks of one sequence).
+pub struct SoloSequence<'a, M: ModelBackend> {
+    model: &'a M,
+    cache: M::Cache,
+    pool: BlockPool,
+    table: BlockTable,
 }
 
-/// The CPU decoder with its own cache.
-pub struct CpuSequence<'a> {
-    dec: &'a Decoder,
-    cache: KvCache,
-}
-
-impl Sequence for CpuSequence<'_> {
-    fn forward(&mut self, tokens: &[u32], want: Logits) -> Result<Vec<f32>> {
-        Ok(self.dec.forward(tokens, &mut self.cache, want))
+impl<'a, M: ModelBackend> SoloSequence<'a, M> {
+    /// Room for `capacity` positions.
+    pub fn new(model: &'a M, capacity: usize) -> Result<Self> {
+        let blocks = capacity.div_ceil(BLOCK_SIZE).max(1);
+        Ok(SoloSequence {
+            model,
+            cache: model.new_cache(blocks, BLOCK_SIZE)?,
+            pool: BlockPool::new(blocks, BLOCK_SIZE),
+            table: BlockTable::default(),
+        })
     }
-    fn len(&self) -> usize {
-        self.cache.len()
-    }
-    fn reset(&mut self) -> Result<()> {
-        self.cache = KvCache::new(&self.dec.cfg);
-        Ok(())
-    }
-}
 
-/// A sequence of `dec` on `device` with room for `capacity` positions (the CPU cache grows as
-/// needed; a GPU allocates its cache up front).
-pub fn sequence<'a>(
-    dec: &'a Decoder,
-    device: Device,
-    capacity: usize,
-) -> Result<Box<dyn Sequence + 'a>> {
-    match device {
-        Device::Cpu => Ok(Box::new(CpuSequence {
-            dec,
-            cache: KvCache::new(&dec.cfg),
-        })),
-        Device::Cuda => cuda_sequence(dec, capacity),
+    /// Runs `tokens` at the next positions; returns the logits of the last one, or of each.
+    pub fn forward(&mut self, tokens: &[u32], want: Want) -> Result<Vec<f32>> {
+        let start = self.table.len();
+        self.pool
+            .grow(&mut self.table, start + tokens.len())
+            .map_err(|e| anyhow!("{e}"))?;
+        let mut b = Batch::default();
+        b.push(tokens, start, self.table.blocks().to_vec(), want);
+        let out = self.model.step(&b, &mut self.cache);
+        if out.is_err() {
+            self.pool.truncate(&mut self.table, start);
+        }
+        out
     }
-}
 
-#[cfg(feature = "cuda")]
-fn cuda_sequence<'a>(dec: &'a Decoder, capacity: usize) -> Result<Box<dyn Sequence + 'a>> {
-    Ok(Box::new(cuda::CudaSequence::new(dec, capacity)?))
-}
-
-#[cfg(not(feature = "cuda"))]
-fn cuda_sequence<'a>(_: &'a Decoder, _: usize) -> Result<Box<dyn Sequence + 'a>> {
-    anyhow::bail!("--device cuda: this trellm was built without the cuda feature")
+    pub fn len(&self) -> usize {
+        self.table.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.table.is_empty()
+    }
 }

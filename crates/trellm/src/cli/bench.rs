@@ -6,9 +6,11 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use clap::Args;
 
+use trellm_model::{Batch, BlockPool, BlockTable, ModelBackend, Want};
+
 use super::ModelArgs;
-use crate::backend::{self, Device};
-use crate::model::decoder::Logits;
+use crate::backend::{Device, SoloSequence, BLOCK_SIZE};
+use crate::model::load::LoadedModel;
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
@@ -37,6 +39,10 @@ pub struct BenchArgs {
     /// over `--n-gen` greedy steps instead of timing.
     #[arg(long)]
     pub check: bool,
+    /// Batch sizes to measure as llama-batched-bench does (e.g. 1,2,4,8): B sequences of
+    /// `--n-prompt` tokens prefilled in one step, then `--n-gen` steps of B tokens.
+    #[arg(long, value_delimiter = ',')]
+    pub batch: Option<Vec<usize>>,
     /// cuda: context length the decode steps start at.
     #[arg(long, default_value_t = 512)]
     pub context: usize,
@@ -60,8 +66,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         return super::bench_cuda::run(&a);
     }
     let m = a.model.load_with(false)?;
-    let dec = &m.decoder;
-    let cfg = &dec.cfg;
+    let cfg = &m.model.cfg;
     if a.n_prompt + a.n_gen > cfg.max_context {
         bail!(
             "pp{} + tg{} exceeds the model's context of {} tokens",
@@ -70,36 +75,19 @@ pub fn run(a: BenchArgs) -> Result<()> {
             cfg.max_context
         );
     }
+    if let Some(batch) = &a.batch {
+        return batched(&a, &m, batch);
+    }
     // Deterministic token ids spread over the vocabulary, as llama-bench uses random ones.
     let tokens: Vec<u32> = (0..a.n_prompt.max(1) as u64)
         .map(|i| ((i.wrapping_mul(2654435761) + 7) % cfg.vocab as u64) as u32)
         .collect();
     // The same passes as generation, on whichever device: each returns its logits to the host.
-    let mut seq = backend::sequence(dec, a.device, a.n_prompt.max(a.n_gen) + 1)?;
-    let mut pp = Vec::new();
-    let mut tg = Vec::new();
-    for rep in 0..=a.repetitions {
-        if a.n_prompt > 0 {
-            seq.reset()?;
-            let t = Instant::now();
-            seq.forward(&tokens[..a.n_prompt], Logits::Last)?;
-            if rep > 0 {
-                pp.push(a.n_prompt as f64 / t.elapsed().as_secs_f64());
-            }
-        }
-        if a.n_gen > 0 {
-            seq.reset()?;
-            let mut tok = cfg.bos_id.unwrap_or(0);
-            let t = Instant::now();
-            for _ in 0..a.n_gen {
-                let logits = seq.forward(&[tok], Logits::Last)?;
-                tok = crate::engine::sampler::argmax(&logits);
-            }
-            if rep > 0 {
-                tg.push(a.n_gen as f64 / t.elapsed().as_secs_f64());
-            }
-        }
-    }
+    let capacity = a.n_prompt.max(a.n_gen) + 1;
+    let (pp, tg) = match a.device {
+        Device::Cpu => pp_tg(&a, &*m.model, &tokens, capacity)?,
+        Device::Cuda => pp_tg_cuda(&a, &m, &tokens, capacity)?,
+    };
     let threads = crate::backend::cpu::pool().current_num_threads();
     let pp_tok_s = (!pp.is_empty()).then(|| median(pp));
     let tg_tok_s = (!tg.is_empty()).then(|| median(tg));
@@ -131,4 +119,173 @@ pub fn run(a: BenchArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// pp and tg rates (tok/s) of each measured run: one sequence through the model's step.
+fn pp_tg<M: ModelBackend>(
+    a: &BenchArgs,
+    model: &M,
+    tokens: &[u32],
+    capacity: usize,
+) -> Result<(Vec<f64>, Vec<f64>)> {
+    let cfg = model.config();
+    let (mut pp, mut tg) = (Vec::new(), Vec::new());
+    for rep in 0..=a.repetitions {
+        if a.n_prompt > 0 {
+            let mut seq = SoloSequence::new(model, capacity)?;
+            let t = Instant::now();
+            seq.forward(&tokens[..a.n_prompt], Want::Last)?;
+            if rep > 0 {
+                pp.push(a.n_prompt as f64 / t.elapsed().as_secs_f64());
+            }
+        }
+        if a.n_gen > 0 {
+            let mut seq = SoloSequence::new(model, capacity)?;
+            let mut tok = cfg.bos_id.unwrap_or(0);
+            let t = Instant::now();
+            for _ in 0..a.n_gen {
+                let logits = seq.forward(&[tok], Want::Last)?;
+                tok = crate::engine::sampler::argmax(&logits);
+            }
+            if rep > 0 {
+                tg.push(a.n_gen as f64 / t.elapsed().as_secs_f64());
+            }
+        }
+    }
+    Ok((pp, tg))
+}
+
+#[cfg(feature = "cuda")]
+fn pp_tg_cuda(
+    a: &BenchArgs,
+    m: &LoadedModel,
+    tokens: &[u32],
+    capacity: usize,
+) -> Result<(Vec<f64>, Vec<f64>)> {
+    let model = crate::backend::cuda::CudaModel::new(&m.model, capacity)?;
+    pp_tg(a, &model, tokens, capacity)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn pp_tg_cuda(_: &BenchArgs, _: &LoadedModel, _: &[u32], _: usize) -> Result<(Vec<f64>, Vec<f64>)> {
+    bail!("--device cuda: this trellm was built without the cuda feature")
+}
+
+/// One row of llama-batched-bench's table.
+struct BatchRow {
+    b: usize,
+    n_kv: usize,
+    t_pp: f64,
+    t_tg: f64,
+}
+
+/// `--batch`: for each B, B sequences of `n_prompt` copies of one token prefilled in one step
+/// (logits of each sequence's last token only), then `n_gen` steps of one token per sequence,
+/// no sampling; reported with llama-batched-bench's columns.
+fn batched(a: &BenchArgs, m: &LoadedModel, sizes: &[usize]) -> Result<()> {
+    if a.device != Device::Cpu {
+        bail!("bench --batch runs on the CPU for now (batched CUDA steps are not built yet)");
+    }
+    if sizes.is_empty() || sizes.contains(&0) {
+        bail!("--batch takes batch sizes of at least 1, e.g. 1,2,4,8");
+    }
+    if a.n_prompt == 0 {
+        bail!("bench --batch needs --n-prompt of at least 1");
+    }
+    let model = &*m.model;
+    let tok = model
+        .cfg
+        .bos_id
+        .unwrap_or(0)
+        .min(model.cfg.vocab as u32 - 1);
+    let threads = crate::backend::cpu::pool().current_num_threads();
+    if !a.json {
+        println!(
+            "model: {}  threads: {threads}  (as llama-batched-bench: PP prompt tokens and TG \
+             generated tokens per sequence, B sequences)",
+            m.path.display()
+        );
+        println!(
+            "|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |"
+        );
+        println!(
+            "|-------|--------|------|--------|----------|----------|----------|----------|----------|----------|"
+        );
+    }
+    // A warm-up pass, as llama-batched-bench runs one.
+    run_batch(model, tok, 1, a.n_prompt.min(16), 1)?;
+    for &b in sizes {
+        let r = run_batch(model, tok, b, a.n_prompt, a.n_gen)?;
+        let (pp, tg) = ((b * a.n_prompt) as f64, (b * a.n_gen) as f64);
+        let t = r.t_pp + r.t_tg;
+        let s_tg = if a.n_gen > 0 { tg / r.t_tg } else { 0.0 };
+        if a.json {
+            println!(
+                "{}",
+                serde_json::json!({
+                    "pp": a.n_prompt, "tg": a.n_gen, "b": r.b, "n_kv": r.n_kv,
+                    "t_pp": r.t_pp, "s_pp": pp / r.t_pp, "t_tg": r.t_tg, "s_tg": s_tg,
+                    "t": t, "s": r.n_kv as f64 / t,
+                })
+            );
+        } else {
+            println!(
+                "| {:5} | {:6} | {:4} | {:6} | {:8.3} | {:8.2} | {:8.3} | {:8.2} | {:8.3} | {:8.2} |",
+                a.n_prompt,
+                a.n_gen,
+                r.b,
+                r.n_kv,
+                r.t_pp,
+                pp / r.t_pp,
+                r.t_tg,
+                s_tg,
+                t,
+                r.n_kv as f64 / t
+            );
+        }
+    }
+    Ok(())
+}
+
+fn run_batch<M: ModelBackend>(
+    model: &M,
+    tok: u32,
+    b: usize,
+    n_prompt: usize,
+    n_gen: usize,
+) -> Result<BatchRow> {
+    let positions = n_prompt + n_gen;
+    let blocks = b
+        .checked_mul(positions.div_ceil(BLOCK_SIZE))
+        .filter(|&n| n <= u32::MAX as usize)
+        .ok_or_else(|| anyhow::anyhow!("--batch {b} is too large"))?;
+    let mut cache = model.new_cache(blocks, BLOCK_SIZE)?;
+    let mut pool = BlockPool::new(blocks, BLOCK_SIZE);
+    let mut tables: Vec<BlockTable> = (0..b).map(|_| BlockTable::default()).collect();
+    for t in &mut tables {
+        pool.grow(t, positions)
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+    }
+    let prompt = vec![tok; n_prompt];
+    let mut batch = Batch::default();
+    for t in &tables {
+        batch.push(&prompt, 0, t.blocks().to_vec(), Want::Last);
+    }
+    let t0 = Instant::now();
+    model.step(&batch, &mut cache)?;
+    let t_pp = t0.elapsed().as_secs_f64();
+    let t1 = Instant::now();
+    for i in 0..n_gen {
+        let mut batch = Batch::default();
+        for t in &tables {
+            batch.push(&[tok], n_prompt + i, t.blocks().to_vec(), Want::Last);
+        }
+        model.step(&batch, &mut cache)?;
+    }
+    Ok(BatchRow {
+        b,
+        n_kv: b * positions,
+        t_pp,
+        t_tg: t1.elapsed().as_secs_f64(),
+    })
 }

@@ -7,9 +7,7 @@ use clap::Args;
 use trellm_tokenizer::ChatMessage;
 
 use super::{DeviceArgs, ModelArgs, SamplingArgs};
-use crate::backend;
-use crate::engine::generate::Flow;
-use crate::engine::{generate, GenerateOptions};
+use crate::engine::{generate, Flow, Request};
 
 #[derive(Args, Debug)]
 pub struct ChatArgs {
@@ -27,8 +25,8 @@ pub struct ChatArgs {
     pub sampling: SamplingArgs,
 }
 
-/// Positions a GPU's KV cache holds for a chat session (at most the model's context).
-const CHAT_GPU_CONTEXT: usize = 32768;
+/// Positions the KV cache holds for a chat session (at most the model's context).
+const CHAT_CONTEXT: usize = 32768;
 
 pub fn run(a: ChatArgs) -> Result<()> {
     let sampler = a.sampling.params()?;
@@ -41,9 +39,9 @@ pub fn run(a: ChatArgs) -> Result<()> {
         );
     }
     let eos_ids = m.eos_ids();
-    // One sequence for the session (a GPU uploads the weights once); each turn re-runs the chat.
-    let capacity = m.decoder.cfg.max_context.min(CHAT_GPU_CONTEXT);
-    let mut seq = backend::sequence(&m.decoder, a.device.device, capacity)?;
+    // One engine for the session (a GPU uploads the weights once); each turn re-runs the chat.
+    let capacity = m.model.cfg.max_context.min(CHAT_CONTEXT);
+    let mut engine = a.device.engine(&m, 1, capacity)?;
     let mut history: Vec<ChatMessage> = Vec::new();
     if let Some(s) = &a.system {
         history.push(ChatMessage {
@@ -80,38 +78,22 @@ pub fn run(a: ChatArgs) -> Result<()> {
             content: line.to_string(),
         });
         let ids = tok.encode(&tok.apply_chat_template(&history, true)?, false)?;
-        let opts = GenerateOptions {
-            max_tokens: a.max_tokens,
+        let req = Request {
+            max_tokens: a.max_tokens.min(capacity.saturating_sub(ids.len()) + 1),
+            prompt: ids,
             sampler: sampler.clone(),
             eos_ids: eos_ids.clone(),
             ..Default::default()
         };
-        let mut dec = tok.stream_decoder();
         let mut reply = String::new();
-        let mut err = None;
-        generate(&m.decoder.cfg, seq.as_mut(), &ids, &opts, |step| {
-            if eos_ids.contains(&step.token) {
-                return Flow::Continue;
-            }
-            match dec.push(step.token) {
-                Ok(chunk) => {
-                    reply.push_str(&chunk);
-                    let _ = write!(out, "{chunk}");
-                    let _ = out.flush();
-                    Flow::Continue
-                }
-                Err(e) => {
-                    err = Some(e);
-                    Flow::Stop
-                }
-            }
+        let done = generate(&mut engine, req, |_, chunk| {
+            reply.push_str(chunk);
+            let _ = write!(out, "{chunk}");
+            let _ = out.flush();
+            Flow::Continue
         })?;
-        if let Some(e) = err {
-            return Err(e.into());
-        }
-        let tail = dec.finish()?;
-        reply.push_str(&tail);
-        writeln!(out, "{tail}")?;
+        reply.push_str(&done.tail);
+        writeln!(out, "{}", done.tail)?;
         history.push(ChatMessage {
             role: "assistant".into(),
             content: reply,

@@ -8,10 +8,7 @@ use clap::Args;
 use trellm_tokenizer::ChatMessage;
 
 use super::{print_stats, DeviceArgs, ModelArgs, SamplingArgs};
-use crate::backend;
-use crate::engine::generate::Flow;
-use crate::engine::stop::StopStrings;
-use crate::engine::{generate, GenerateOptions};
+use crate::engine::{generate, Flow, Request};
 use crate::model::load::LoadedModel;
 
 #[derive(Args, Debug)]
@@ -126,56 +123,35 @@ pub fn run(a: GenerateArgs) -> Result<()> {
                 .ok_or_else(|| anyhow!("--extra-eos-token '{t}' is not a token"))?,
         );
     }
-    let opts = GenerateOptions {
+    let req = Request {
+        prompt: ids.clone(),
         max_tokens: a.max_tokens,
         sampler,
         logprobs: a.logprobs,
-        eos_ids: eos_ids.clone(),
         prompt_logprobs: a.prompt_logprobs,
+        eos_ids,
+        stop: a.stop.clone(),
     };
-    let mut decoder = m.tokenizer().ok().map(|t| t.stream_decoder());
-    let mut stops = StopStrings::new(a.stop.clone());
+    let mut engine = a
+        .device
+        .engine(&m, 1, ids.len() + a.max_tokens.saturating_sub(1))?;
     let mut out_ids = Vec::new();
     let mut logprobs = Vec::new();
+    let mut text = String::new();
     let mut stdout = std::io::stdout().lock();
-    let mut failure: Option<anyhow::Error> = None;
-    let capacity = ids.len() + a.max_tokens + 1;
-    let mut seq = backend::sequence(&m.decoder, a.device.device, capacity)?;
-    let stats = generate(&m.decoder.cfg, seq.as_mut(), &ids, &opts, |step| {
+    let done = generate(&mut engine, req, |step, shown| {
         out_ids.push(step.token);
         logprobs.push(step.top.clone());
-        // EOS ends the text; it is reported in the ids.
-        if eos_ids.contains(&step.token) {
-            return Flow::Continue;
-        }
-        if let Some(d) = decoder.as_mut() {
-            let chunk = match d.push(step.token) {
-                Ok(c) => c,
-                Err(e) => {
-                    failure = Some(e.into());
-                    return Flow::Stop;
-                }
-            };
-            let shown = stops.push(&chunk);
-            if !a.json && !shown.is_empty() && write_out(&mut stdout, shown).is_err() {
-                return Flow::Stop;
-            }
-            if stops.stopped() {
-                return Flow::Stop;
-            }
+        text.push_str(shown);
+        if !a.json && !shown.is_empty() && write_out(&mut stdout, shown).is_err() {
+            return Flow::Stop;
         }
         Flow::Continue
     })?;
-    if let Some(e) = failure {
-        return Err(e);
-    }
-    if let Some(d) = decoder.as_mut() {
-        let tail = d.finish()?;
-        stops.push(&tail);
-    }
-    let rest = stops.finish().to_string();
+    text.push_str(&done.tail);
+    let stats = done.stats;
     if a.json {
-        let text = m.has_tokenizer().then(|| stops.text().to_string());
+        let text = m.has_tokenizer().then_some(text);
         let pairs = |v: &Vec<(u32, f32)>| {
             v.iter()
                 .map(|&(i, p)| serde_json::json!([i, p]))
@@ -186,6 +162,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
             "ids": out_ids,
             "text": text,
             "logprobs": logprobs.iter().map(pairs).collect::<Vec<_>>(),
+            "finish_reason": done.reason.as_str(),
         });
         if a.prompt_logprobs > 0 {
             obj["prompt_logprobs"] = stats
@@ -197,7 +174,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         }
         let _ = writeln!(stdout, "{obj}");
     } else {
-        let _ = write_out(&mut stdout, &rest);
+        let _ = write_out(&mut stdout, &done.tail);
         let _ = writeln!(stdout);
     }
     if !a.quiet {

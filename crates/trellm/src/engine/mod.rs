@@ -1,9 +1,11 @@
-//! Sequences and generation: sampling, the generation loop, stop conditions. No knowledge of
-//! files or HTTP.
+//! Sequences and generation: the scheduler many requests share, sampling, stop conditions, and
+//! the one-request loop of the CLI. No knowledge of files or HTTP.
 
 pub mod generate;
 pub mod sampler;
+pub mod scheduler;
 pub mod stop;
 
-pub use generate::{generate, GenerateOptions, GenerationStats, Step};
+pub use generate::{generate, Finished, Flow, GenerationStats, Step};
 pub use sampler::{Sampler, SamplerParams};
+pub use scheduler::{Engine, EngineError, EngineOptions, Event, FinishReason, Request, SeqId};

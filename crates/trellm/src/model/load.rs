@@ -1,19 +1,22 @@
 //! Opening a model from a path: a GGUF file, a folder holding one, or a Hugging Face folder.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use anyhow::{anyhow, bail, Context, Result};
 use trellm_formats::gguf::Gguf;
 use trellm_formats::safetensors::SafeTensors;
 use trellm_tokenizer::Tokenizer;
 
+use crate::backend::cpu::CpuModel;
+
 use super::config::ModelConfig;
-use super::decoder::Decoder;
 use super::weights::{TensorSource, Weights};
 
 pub struct LoadedModel {
     pub path: PathBuf,
-    pub decoder: Decoder,
+    /// The model on the CPU (weights in the memory map); other backends upload from it.
+    pub model: Arc<CpuModel>,
     /// The tokenizer, or why there is none (then only `--prompt-ids` works).
     tokenizer: std::result::Result<Tokenizer, String>,
     /// Bytes of weights in the memory map(s).
@@ -65,7 +68,7 @@ fn load_gguf(path: &Path, with_tokenizer: bool) -> Result<LoadedModel> {
     };
     Ok(LoadedModel {
         path: path.to_path_buf(),
-        decoder: Decoder::new(cfg, weights),
+        model: Arc::new(CpuModel::new(cfg, weights)),
         tokenizer,
         weight_bytes,
     })
@@ -89,7 +92,7 @@ fn load_hf(dir: &Path, with_tokenizer: bool) -> Result<LoadedModel> {
     };
     Ok(LoadedModel {
         path: dir.to_path_buf(),
-        decoder: Decoder::new(cfg, weights),
+        model: Arc::new(CpuModel::new(cfg, weights)),
         tokenizer,
         weight_bytes,
     })
@@ -112,7 +115,7 @@ impl LoadedModel {
 
     /// Token ids that end generation: the tokenizer's set where there is one, else the config's.
     pub fn eos_ids(&self) -> Vec<u32> {
-        let mut ids = self.decoder.cfg.eos_ids.clone();
+        let mut ids = self.model.cfg.eos_ids.clone();
         if let Ok(t) = &self.tokenizer {
             for &id in t.eos_ids() {
                 if !ids.contains(&id) {

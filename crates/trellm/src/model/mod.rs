@@ -1,12 +1,6 @@
-//! Models: configuration, weights, and the one decoder.
+//! Models: the description shared by every backend (`trellm-model`) and loading a model from a path.
 
-pub mod config;
-pub mod decoder;
-pub mod families;
+pub use trellm_model::{config, families, mlx_math, plan, rope, weights};
 pub mod load;
-pub mod mlx_math;
-pub mod rope;
-pub mod weights;
 
 pub use config::ModelConfig;
-pub use decoder::{Decoder, KvCache};

@@ -1,5 +1,8 @@
 //! The exact CPU path: f32 arithmetic on weights decoded row by row from their stored blocks.
 
+pub mod model;
+pub use model::{CpuKv, CpuModel};
+
 use rayon::prelude::*;
 
 use trellm_quant::ggml::dot::{best_level, Level};

@@ -223,7 +223,7 @@ impl ModelConfig {
 
     /// Llama's switches (pre-norm RMSNorm, SwiGLU, no biases, tied head, `head_dim^-0.5`), the
     /// same RoPE in every layer; families change what differs.
-    pub(crate) fn llama_like(family: Family, d: Dims, rope: Option<Rope>) -> ModelConfig {
+    pub fn llama_like(family: Family, d: Dims, rope: Option<Rope>) -> ModelConfig {
         ModelConfig {
             family,
             hidden: d.hidden,
@@ -268,7 +268,7 @@ impl ModelConfig {
 }
 
 /// The sizes every family has.
-pub(crate) struct Dims {
+pub struct Dims {
     pub hidden: usize,
     pub intermediate: usize,
     pub n_heads: usize,
@@ -282,7 +282,7 @@ pub(crate) struct Dims {
     pub eos_ids: Vec<u32>,
 }
 
-pub(crate) fn id_list(v: &serde_json::Value) -> Vec<u32> {
+pub fn id_list(v: &serde_json::Value) -> Vec<u32> {
     match v {
         serde_json::Value::Array(a) => a
             .iter()
@@ -294,7 +294,7 @@ pub(crate) fn id_list(v: &serde_json::Value) -> Vec<u32> {
 }
 
 /// Typed access to config fields with errors that name the field.
-pub(crate) struct Fields<'a>(pub &'a serde_json::Value);
+pub struct Fields<'a>(pub &'a serde_json::Value);
 
 impl Fields<'_> {
     pub fn opt_usize(&self, k: &str) -> Result<Option<usize>> {

@@ -154,7 +154,7 @@ fn extend_context(c: &mut ModelConfig, f: &Fields) {
 }
 
 /// From a Hugging Face `config.json` (and `generation_config.json` for EOS ids, if present).
-pub(crate) fn from_hf(config: &Value, generation: Option<&Value>) -> Result<ModelConfig> {
+pub fn from_hf(config: &Value, generation: Option<&Value>) -> Result<ModelConfig> {
     // Multimodal gemma3 folders nest the text model.
     let c = match config.get("text_config") {
         Some(t) if t.is_object() => t,
@@ -401,7 +401,7 @@ fn gemma3_hf(f: &Fields, ids: (Option<u32>, Vec<u32>)) -> Result<ModelConfig> {
 
 /// gemma3: sandwich norms, per-head q/k norms, sliding layers with a local RoPE except every
 /// `pattern`-th, embedding scale sqrt(hidden) rounded to bfloat16 as mlx-lm computes it.
-pub(crate) fn gemma3(
+pub fn gemma3(
     d: Dims,
     window: usize,
     pattern: usize,

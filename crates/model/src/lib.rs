@@ -1,0 +1,18 @@
+//! The model described once, below every backend: each family's configuration (`config`,
+//! `families`), RoPE with mlx's own float math (`rope`, `mlx_math`), the weight descriptors
+//! borrowed from the file's memory map (`weights`), the per-layer op list both backends execute
+//! (`plan`), and the contract of a batched step over a paged KV cache (`step`, `kv`).
+
+pub mod config;
+pub mod families;
+pub mod kv;
+pub mod mlx_math;
+pub mod plan;
+pub mod rope;
+pub mod step;
+pub mod weights;
+
+pub use config::ModelConfig;
+pub use kv::{BlockPool, BlockTable, PoolFull};
+pub use plan::Plan;
+pub use step::{Batch, ModelBackend, SeqStep, Want};

@@ -1,0 +1,548 @@
+//! The CPU model: the plan executed in f32 over weights decoded exactly from the memory map,
+//! one batched step for ragged tokens of many sequences, keys and values in paged blocks.
+//!
+//! Linear layers run over every token of the step at once, so decode rows of a batch read each
+//! weight block once (the multi-row kernels); attention runs per sequence over its own blocks.
+
+use anyhow::{ensure, Result};
+use rayon::prelude::*;
+use trellm_model::plan::{LayerPlan, NormOp, Op, Plan, QkvEpilogue, ResidualEpilogue};
+use trellm_model::{Batch, ModelBackend};
+
+use crate::backend::cpu;
+use crate::model::config::{ModelConfig, Norm, QkNorm};
+use crate::model::weights::{LayerWeights, Linear, NormWeights, Weights};
+
+/// New queries of a sequence from which its attention runs as matrix products.
+const ATTN_GEMM_MIN_QUERIES: usize = 16;
+/// Queries per attention task in prefill.
+const ATTN_QUERY_TILE: usize = 64;
+
+/// A model on the CPU: shared by every sequence, immutable.
+pub struct CpuModel {
+    pub cfg: ModelConfig,
+    pub plan: Plan,
+    pub weights: Weights,
+}
+
+/// Keys and values in blocks of `block_size` positions. Block `b` holds, for each layer, its
+/// keys then its values, position-major: `[layer][k | v][pos][kv_dim]`. A block's memory is
+/// allocated when it is first written.
+pub struct CpuKv {
+    block_size: usize,
+    kv_dim: usize,
+    blocks: Vec<Vec<f32>>,
+}
+
+impl CpuKv {
+    fn block_len(&self, n_layers: usize) -> usize {
+        n_layers * 2 * self.block_size * self.kv_dim
+    }
+    /// Offset of (layer, k or v, slot) inside a block.
+    #[inline]
+    fn offset(&self, layer: usize, value: bool, slot: usize) -> usize {
+        ((layer * 2 + value as usize) * self.block_size + slot) * self.kv_dim
+    }
+}
+
+/// Where a sequence's position `j` lives: its block table and the cache.
+struct SeqKv<'a> {
+    kv: &'a CpuKv,
+    blocks: &'a [u32],
+    layer: usize,
+}
+
+impl SeqKv<'_> {
+    #[inline]
+    fn row(&self, value: bool, j: usize) -> &[f32] {
+        let bs = self.kv.block_size;
+        let b = &self.kv.blocks[self.blocks[j / bs] as usize];
+        &b[self.kv.offset(self.layer, value, j % bs)..][..self.kv.kv_dim]
+    }
+    /// Positions `0..len` of keys (or values) copied out contiguously, `[pos][kv_dim]`.
+    fn gather(&self, value: bool, len: usize) -> Vec<f32> {
+        let mut out = Vec::with_capacity(len * self.kv.kv_dim);
+        let bs = self.kv.block_size;
+        for (i, &b) in self.blocks.iter().enumerate() {
+            let n = bs.min(len.saturating_sub(i * bs));
+            if n == 0 {
+                break;
+            }
+            let blk = &self.kv.blocks[b as usize];
+            let o = self.kv.offset(self.layer, value, 0);
+            out.extend_from_slice(&blk[o..o + n * self.kv.kv_dim]);
+        }
+        out
+    }
+}
+
+fn norm(x: &mut [f32], w: &NormWeights, op: NormOp) {
+    match (op.kind, &w.b) {
+        (Norm::Layer, Some(b)) => cpu::layer_norm(x, &w.w, b, op.eps),
+        _ => cpu::rms_norm(x, &w.w, op.eps),
+    }
+}
+
+fn norm_rows(x: &mut [f32], w: &NormWeights, op: NormOp) {
+    x.par_chunks_mut(w.w.len()).for_each(|r| norm(r, w, op));
+}
+
+/// `y = x W^T (+ b)` for `n` rows.
+fn linear(x: &[f32], n: usize, l: &Linear, y: &mut [f32]) {
+    cpu::linear(x, n, &l.w, y);
+    if let Some(b) = &l.b {
+        y.chunks_mut(b.len())
+            .for_each(|r| r.iter_mut().zip(b).for_each(|(v, c)| *v += c));
+    }
+}
+
+/// Activations of one step.
+struct Scratch {
+    x: Vec<f32>,
+    xn: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    attn: Vec<f32>,
+    proj: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+}
+
+impl CpuModel {
+    pub fn new(cfg: ModelConfig, weights: Weights) -> CpuModel {
+        CpuModel {
+            plan: Plan::new(&cfg),
+            cfg,
+            weights,
+        }
+    }
+
+    fn check(&self, batch: &Batch, kv: &CpuKv) -> Result<()> {
+        ensure!(
+            kv.kv_dim == self.cfg.n_kv_heads * self.cfg.head_dim,
+            "the KV cache belongs to another model"
+        );
+        for s in &batch.seqs {
+            ensure!(
+                s.offset + s.len <= batch.tokens.len() && s.len > 0,
+                "a sequence's tokens lie outside the batch"
+            );
+            ensure!(
+                s.blocks.len() * kv.block_size >= s.start + s.len,
+                "a sequence's blocks hold {} positions, the step needs {}",
+                s.blocks.len() * kv.block_size,
+                s.start + s.len
+            );
+            ensure!(
+                s.blocks.iter().all(|&b| (b as usize) < kv.blocks.len()),
+                "a block id lies outside the KV cache"
+            );
+        }
+        if let Some(&bad) = batch.tokens.iter().find(|&&t| t as usize >= self.cfg.vocab) {
+            anyhow::bail!(
+                "token id {bad} is outside the vocabulary (size {})",
+                self.cfg.vocab
+            );
+        }
+        Ok(())
+    }
+
+    fn step_on_pool(&self, batch: &Batch, kv: &mut CpuKv) -> Vec<f32> {
+        let cfg = &self.cfg;
+        let m = batch.tokens.len();
+        let h = cfg.hidden;
+        let q_dim = cfg.n_heads * cfg.head_dim;
+        let kv_dim = cfg.n_kv_heads * cfg.head_dim;
+        // Blocks written by this step get their memory now.
+        let block_len = kv.block_len(cfg.n_layers());
+        for s in &batch.seqs {
+            let bs = kv.block_size;
+            for j in s.start..s.start + s.len {
+                let b = s.blocks[j / bs] as usize;
+                if kv.blocks[b].is_empty() {
+                    kv.blocks[b] = vec![0.0; block_len];
+                }
+            }
+        }
+
+        let mut st = Scratch {
+            x: vec![0.0; m * h],
+            xn: vec![0.0; m * h],
+            q: vec![0.0; m * q_dim],
+            k: vec![0.0; m * kv_dim],
+            v: vec![0.0; m * kv_dim],
+            attn: vec![0.0; m * q_dim],
+            proj: vec![0.0; m * h],
+            gate: vec![0.0; m * cfg.intermediate],
+            up: vec![0.0; m * cfg.intermediate],
+        };
+        for (t, &id) in batch.tokens.iter().enumerate() {
+            let row = &mut st.x[t * h..(t + 1) * h];
+            self.weights.embed.dequantize_row(id as usize, row);
+            if let Some(s) = self.plan.embed_scale {
+                row.iter_mut().for_each(|v| *v *= s);
+            }
+        }
+        for (l, (lp, lw)) in self
+            .plan
+            .layers
+            .iter()
+            .zip(&self.weights.layers)
+            .enumerate()
+        {
+            self.layer(l, lp, lw, batch, kv, &mut st);
+        }
+
+        // The rows that want logits, sequence by sequence.
+        let mut rows = Vec::with_capacity(batch.logit_rows() * h);
+        for s in &batch.seqs {
+            let r = s.want.rows(s.len);
+            let first = s.offset + s.len - r;
+            rows.extend_from_slice(&st.x[first * h..(s.offset + s.len) * h]);
+        }
+        norm_rows(&mut rows, &self.weights.final_norm, self.plan.final_norm);
+        let n = rows.len() / h;
+        if n == 0 {
+            return Vec::new();
+        }
+        let mut logits = vec![0.0f32; n * cfg.vocab];
+        cpu::linear(&rows, n, &self.weights.lm_head, &mut logits);
+        if let Some(cap) = self.plan.logits.softcap {
+            logits.iter_mut().for_each(|v| *v = cpu::softcap(*v, cap));
+        }
+        if let Some(d) = self.plan.logits.divisor {
+            logits.iter_mut().for_each(|v| *v /= d);
+        }
+        logits
+    }
+
+    fn layer(
+        &self,
+        l: usize,
+        plan: &LayerPlan,
+        lw: &LayerWeights,
+        batch: &Batch,
+        kv: &mut CpuKv,
+        st: &mut Scratch,
+    ) {
+        let m = batch.tokens.len();
+        let pre_norm = |st: &mut Scratch, op: &Option<NormOp>, w: &Option<NormWeights>| {
+            st.xn.copy_from_slice(&st.x);
+            if let (Some(op), Some(w)) = (op, w) {
+                norm_rows(&mut st.xn, w, *op);
+            }
+        };
+        for op in &plan.ops {
+            match op {
+                Op::AttnNorm(n) => pre_norm(st, n, &lw.attn_norm),
+                Op::Qkv(e) => {
+                    linear(&st.xn, m, &lw.q, &mut st.q);
+                    linear(&st.xn, m, &lw.k, &mut st.k);
+                    linear(&st.xn, m, &lw.v, &mut st.v);
+                    qkv_epilogue(e, lw, batch, st);
+                    write_kv(kv, l, batch, &st.k, &st.v);
+                }
+                Op::Attention(a) => {
+                    let kv = &*kv;
+                    let (q_dim, hd) = (a.n_heads * a.head_dim, a.head_dim);
+                    let group = a.n_heads / a.n_kv_heads;
+                    // Sequences with few new queries: one task per query and head, reading
+                    // keys in place from the blocks.
+                    let mut small = vec![usize::MAX; m];
+                    for (i, s) in batch.seqs.iter().enumerate() {
+                        if s.len < ATTN_GEMM_MIN_QUERIES {
+                            small[s.offset..s.offset + s.len].fill(i);
+                        }
+                    }
+                    let q = &st.q;
+                    st.attn.par_chunks_mut(hd).enumerate().for_each_init(
+                        Vec::new,
+                        |scores, (task, o)| {
+                            let (t, head) = (task / a.n_heads, task % a.n_heads);
+                            let Some(s) = batch.seqs.get(small[t]) else {
+                                return;
+                            };
+                            let pos = s.start + (t - s.offset);
+                            let lo = a.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                            let seq = SeqKv {
+                                kv,
+                                blocks: &s.blocks,
+                                layer: l,
+                            };
+                            let kvh = head / group;
+                            let qh: Vec<f32> = q[t * q_dim + head * hd..][..hd]
+                                .iter()
+                                .map(|v| v * a.scale)
+                                .collect();
+                            scores.clear();
+                            scores.extend(
+                                (lo..=pos)
+                                    .map(|j| cpu::dot(&qh, &seq.row(false, j)[kvh * hd..][..hd])),
+                            );
+                            if let Some(cap) = a.softcap {
+                                scores.iter_mut().for_each(|s| *s = cpu::softcap(*s, cap));
+                            }
+                            cpu::softmax(scores);
+                            o.fill(0.0);
+                            for (j, &p) in (lo..=pos).zip(scores.iter()) {
+                                cpu::axpy(p, &seq.row(true, j)[kvh * hd..][..hd], o);
+                            }
+                        },
+                    );
+                    // Prefill chunks: two matrix products per head and query tile over the
+                    // sequence's keys gathered contiguously.
+                    for s in batch.seqs.iter().filter(|s| s.len >= ATTN_GEMM_MIN_QUERIES) {
+                        let seq = SeqKv {
+                            kv,
+                            blocks: &s.blocks,
+                            layer: l,
+                        };
+                        let ctx = s.start + s.len;
+                        let (keys, values) = (seq.gather(false, ctx), seq.gather(true, ctx));
+                        attention_gemm(
+                            a,
+                            &st.q[s.offset * q_dim..(s.offset + s.len) * q_dim],
+                            &keys,
+                            &values,
+                            s.start,
+                            &mut st.attn[s.offset * q_dim..(s.offset + s.len) * q_dim],
+                        );
+                    }
+                }
+                Op::Output(e) => {
+                    linear(&st.attn, m, &lw.o, &mut st.proj);
+                    residual(e, &lw.post_attn_norm, &mut st.x, &mut st.proj);
+                }
+                Op::MlpNorm(n) => pre_norm(st, n, &lw.ffn_norm),
+                Op::GateUp(g) => {
+                    linear(&st.xn, m, &lw.up, &mut st.up);
+                    match (g.gated, &lw.gate) {
+                        (true, Some(gate)) => {
+                            linear(&st.xn, m, gate, &mut st.gate);
+                            cpu::gated_activation(g.activation, &mut st.gate, &st.up);
+                        }
+                        _ => cpu::activation(g.activation, &st.up, &mut st.gate),
+                    }
+                }
+                Op::Down(e) => {
+                    linear(&st.gate, m, &lw.down, &mut st.proj);
+                    residual(e, &lw.post_ffn_norm, &mut st.x, &mut st.proj);
+                }
+            }
+        }
+    }
+}
+
+/// q/k norms and RoPE on the step's q and k rows.
+fn qkv_epilogue(e: &QkvEpilogue, lw: &LayerWeights, batch: &Batch, st: &mut Scratch) {
+    let (q_dim, kv_dim, hd) = (e.q_dim, e.kv_dim, e.head_dim);
+    if let (Some(qn), Some(kn)) = (&lw.q_norm, &lw.k_norm) {
+        match e.qk_norm {
+            QkNorm::Whole => {
+                st.q.par_chunks_mut(q_dim)
+                    .for_each(|r| cpu::rms_norm(r, qn, e.norm_eps));
+                st.k.par_chunks_mut(kv_dim)
+                    .for_each(|r| cpu::rms_norm(r, kn, e.norm_eps));
+            }
+            _ => {
+                cpu::rms_norm_chunks(&mut st.q, qn, e.norm_eps);
+                cpu::rms_norm_chunks(&mut st.k, kn, e.norm_eps);
+            }
+        }
+    }
+    let Some(rope) = &e.rope else {
+        return;
+    };
+    let half = rope.dims / 2;
+    let fixed = (!rope.is_dynamic()).then(|| rope.inv_freq(1));
+    for s in &batch.seqs {
+        // Dynamic NTK depends on the sequence's own length.
+        let dynamic;
+        let inv_freq = match &fixed {
+            Some(f) => f,
+            None => {
+                dynamic = rope.inv_freq(s.start + s.len);
+                &dynamic
+            }
+        };
+        let (mut cos, mut sin) = (vec![0.0f32; half], vec![0.0f32; half]);
+        for t in 0..s.len {
+            let i = s.offset + t;
+            rope.cos_sin((s.start + t) as i64, inv_freq, &mut cos, &mut sin);
+            for head in st.q[i * q_dim..(i + 1) * q_dim].chunks_mut(hd) {
+                rope.rotate(head, &cos, &sin);
+            }
+            for head in st.k[i * kv_dim..(i + 1) * kv_dim].chunks_mut(hd) {
+                rope.rotate(head, &cos, &sin);
+            }
+        }
+    }
+}
+
+/// Each new token's key and value go to its position in its sequence's blocks.
+fn write_kv(kv: &mut CpuKv, layer: usize, batch: &Batch, k: &[f32], v: &[f32]) {
+    let (bs, d) = (kv.block_size, kv.kv_dim);
+    for s in &batch.seqs {
+        for t in 0..s.len {
+            let (i, j) = (s.offset + t, s.start + t);
+            let (b, slot) = (s.blocks[j / bs] as usize, j % bs);
+            let ko = kv.offset(layer, false, slot);
+            let vo = kv.offset(layer, true, slot);
+            let blk = &mut kv.blocks[b];
+            blk[ko..ko + d].copy_from_slice(&k[i * d..(i + 1) * d]);
+            blk[vo..vo + d].copy_from_slice(&v[i * d..(i + 1) * d]);
+        }
+    }
+}
+
+/// Adds a projection's output to the residual stream (after its post-norm, if any).
+fn residual(e: &ResidualEpilogue, post: &Option<NormWeights>, x: &mut [f32], out: &mut [f32]) {
+    if let (Some(op), Some(w)) = (e.post_norm, post) {
+        norm_rows(out, w, op);
+    }
+    match e.scale {
+        Some(s) => x.iter_mut().zip(&*out).for_each(|(a, b)| *a += b * s),
+        None => x.iter_mut().zip(&*out).for_each(|(a, b)| *a += b),
+    }
+}
+
+/// Prefill attention of one sequence's new queries (positions `start..`) as two matrix products
+/// per head and tile of queries (scores = Q·Kᵀ, out = softmax(scores)·V) by the `gemm` crate,
+/// reading Q, K and V in place through strides.
+fn attention_gemm(
+    a: &trellm_model::plan::AttentionOp,
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    start: usize,
+    out: &mut [f32],
+) {
+    let hd = a.head_dim;
+    let group = a.n_heads / a.n_kv_heads;
+    let kv_dim = a.n_kv_heads * hd;
+    let q_dim = a.n_heads * hd;
+    let n = out.len() / q_dim;
+    let tiles = n.div_ceil(ATTN_QUERY_TILE);
+    let lo_of = |pos: usize| a.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+    let results: Vec<(usize, usize, Vec<f32>)> = (0..a.n_heads * tiles)
+        .into_par_iter()
+        .map(|task| {
+            let (head, tile) = (task / tiles, task % tiles);
+            let kvh = head / group;
+            let t0 = tile * ATTN_QUERY_TILE;
+            let nt = ATTN_QUERY_TILE.min(n - t0);
+            // Keys any query of the tile may see.
+            let j1 = start + t0 + nt;
+            let j0 = lo_of(start + t0).min(j1);
+            let nj = j1 - j0;
+            let mut scores = vec![0.0f32; nt * nj];
+            // SAFETY: the strides address q rows t0.. (head slice), key rows j0..j1 (kv head
+            // slice) and the nt x nj scores buffer, all in bounds.
+            unsafe {
+                gemm::gemm(
+                    nt,
+                    nj,
+                    hd,
+                    scores.as_mut_ptr(),
+                    1,
+                    nj as isize,
+                    false,
+                    q.as_ptr().add(t0 * q_dim + head * hd),
+                    1,
+                    q_dim as isize,
+                    keys.as_ptr().add(j0 * kv_dim + kvh * hd),
+                    kv_dim as isize,
+                    1,
+                    0.0,
+                    a.scale,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::None,
+                );
+            }
+            for (t, row) in scores.chunks_mut(nj).enumerate() {
+                let pos = start + t0 + t;
+                let (lo, hi) = (lo_of(pos), pos + 1);
+                let live = &mut row[lo - j0..hi - j0];
+                if let Some(cap) = a.softcap {
+                    live.iter_mut().for_each(|s| *s = cpu::softcap(*s, cap));
+                }
+                cpu::softmax(live);
+                row[..lo - j0].fill(0.0);
+                row[hi - j0..].fill(0.0);
+            }
+            let mut o = vec![0.0f32; nt * hd];
+            // SAFETY: scores is nt x nj, value rows j0..j1 of the kv head, o is nt x hd.
+            unsafe {
+                gemm::gemm(
+                    nt,
+                    hd,
+                    nj,
+                    o.as_mut_ptr(),
+                    1,
+                    hd as isize,
+                    false,
+                    scores.as_ptr(),
+                    1,
+                    nj as isize,
+                    values.as_ptr().add(j0 * kv_dim + kvh * hd),
+                    1,
+                    kv_dim as isize,
+                    0.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::None,
+                );
+            }
+            (head, t0, o)
+        })
+        .collect();
+    for (head, t0, o) in results {
+        for (t, row) in o.chunks(hd).enumerate() {
+            out[(t0 + t) * q_dim + head * hd..][..hd].copy_from_slice(row);
+        }
+    }
+}
+
+impl ModelBackend for CpuModel {
+    type Cache = CpuKv;
+
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn new_cache(&self, n_blocks: usize, block_size: usize) -> Result<CpuKv> {
+        ensure!(block_size > 0, "a KV block holds at least one position");
+        Ok(CpuKv {
+            block_size,
+            kv_dim: self.cfg.n_kv_heads * self.cfg.head_dim,
+            blocks: (0..n_blocks).map(|_| Vec::new()).collect(),
+        })
+    }
+
+    fn block_bytes(&self, block_size: usize) -> usize {
+        self.cfg.n_layers() * 2 * block_size * self.cfg.n_kv_heads * self.cfg.head_dim * 4
+    }
+
+    fn copy_blocks(&self, kv: &mut CpuKv, copies: &[(u32, u32)]) -> Result<()> {
+        for &(src, dst) in copies {
+            let data = kv.blocks[src as usize].clone();
+            kv.blocks[dst as usize] = data;
+        }
+        Ok(())
+    }
+
+    fn step(&self, batch: &Batch, kv: &mut CpuKv) -> Result<Vec<f32>> {
+        if batch.seqs.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.check(batch, kv)?;
+        // On a pool thread, the many small parallel ops of a step are handed to the other
+        // workers directly instead of each being injected from outside and waited for.
+        Ok(cpu::pool().install(|| self.step_on_pool(batch, kv)))
+    }
+}
