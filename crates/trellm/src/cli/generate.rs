@@ -1,14 +1,14 @@
 //! `trellm generate`.
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
 use trellm_tokenizer::ChatMessage;
 
 use super::{print_stats, DeviceArgs, ModelArgs, SamplingArgs};
-use crate::engine::{generate, Flow, Request};
+use crate::engine::{generate, FinishReason, Flow, Request};
 use crate::model::load::LoadedModel;
 
 #[derive(Args, Debug)]
@@ -57,49 +57,53 @@ pub struct GenerateArgs {
     /// Report the top-K next-token log-probabilities at each prompt position (with --json).
     #[arg(long, default_value_t = 0)]
     pub prompt_logprobs: usize,
+    /// Run many requests at once from a JSON-lines file: one object a line with `messages`,
+    /// `prompt` (and `raw`) or `prompt_ids`, plus `max_tokens`, `seed`, `logprobs`, `stop` and
+    /// the sampling fields named as the flags are (the flags give the defaults). Prints one
+    /// JSON line per request, in input order, as --json does, with `id` and `finish_reason`.
+    #[arg(long, conflicts_with_all = ["prompt", "messages", "prompt_ids"])]
+    pub requests: Option<PathBuf>,
+    /// Requests running at once with --requests.
+    #[arg(long, default_value_t = 16)]
+    pub max_seqs: usize,
     /// Print no statistics.
     #[arg(long, short = 'q')]
     pub quiet: bool,
 }
 
-/// Turns the prompt flags into token ids.
-fn prompt_ids(a: &GenerateArgs, m: &LoadedModel) -> Result<Vec<u32>> {
-    if let Some(ids) = &a.prompt_ids {
-        return Ok(ids.clone());
+/// A prompt as the flags (or a `--requests` line) give it.
+pub struct PromptSpec<'a> {
+    pub prompt: Option<&'a str>,
+    pub messages: Option<Vec<ChatMessage>>,
+    pub prompt_ids: Option<&'a [u32]>,
+    pub system: Option<&'a str>,
+    pub raw: bool,
+}
+
+/// Turns a prompt into token ids: ids as given, or text through the chat template (unless raw
+/// or the model has none).
+pub fn prompt_ids(p: PromptSpec<'_>, m: &LoadedModel) -> Result<Vec<u32>> {
+    if let Some(ids) = p.prompt_ids {
+        return Ok(ids.to_vec());
     }
     let tok = m.tokenizer()?;
-    let mut messages = Vec::new();
-    if let Some(path) = &a.messages {
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("cannot read {}", path.display()))?;
-        messages = serde_json::from_str::<Vec<ChatMessage>>(&text).map_err(|e| {
-            anyhow!(
-                "{}: not a JSON list of {{role, content}} messages ({e})",
-                path.display()
-            )
-        })?;
-        if messages.is_empty() {
-            bail!("{}: the chat is empty", path.display());
-        }
-    }
-    let prompt = a.prompt.clone().unwrap_or_else(|| "hello".to_string());
-    let use_template = !a.raw && tok.has_chat_template();
-    if a.messages.is_some() && !use_template {
-        bail!("--messages needs a model with a chat template (and no --raw)");
+    let prompt = p.prompt.unwrap_or("hello").to_string();
+    let use_template = !p.raw && tok.has_chat_template();
+    if p.messages.is_some() && !use_template {
+        bail!("messages need a model with a chat template (and no --raw)");
     }
     let ids = if use_template {
-        if a.messages.is_none() {
-            if let Some(s) = &a.system {
-                messages.push(ChatMessage {
-                    role: "system".into(),
-                    content: s.clone(),
-                });
+        let messages = match p.messages {
+            Some(m) => m,
+            None => {
+                let mut v = Vec::new();
+                if let Some(s) = p.system {
+                    v.push(ChatMessage::new("system", s));
+                }
+                v.push(ChatMessage::new("user", prompt));
+                v
             }
-            messages.push(ChatMessage {
-                role: "user".into(),
-                content: prompt,
-            });
-        }
+        };
         let text = tok.apply_chat_template(&messages, true)?;
         tok.encode(&text, false)?
     } else {
@@ -108,13 +112,24 @@ fn prompt_ids(a: &GenerateArgs, m: &LoadedModel) -> Result<Vec<u32>> {
     Ok(ids)
 }
 
-pub fn run(a: GenerateArgs) -> Result<()> {
-    if (a.logprobs > 0 || a.prompt_logprobs > 0) && !a.json {
-        bail!("--logprobs and --prompt-logprobs need --json");
+/// Reads a `--messages` file.
+fn read_messages(path: &Path) -> Result<Vec<ChatMessage>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let messages = serde_json::from_str::<Vec<ChatMessage>>(&text).map_err(|e| {
+        anyhow!(
+            "{}: not a JSON list of {{role, content}} messages ({e})",
+            path.display()
+        )
+    })?;
+    if messages.is_empty() {
+        bail!("{}: the chat is empty", path.display());
     }
-    let sampler = a.sampling.params()?;
-    let m = a.model.load()?;
-    let ids = prompt_ids(&a, &m)?;
+    Ok(messages)
+}
+
+/// Token ids that end generation: the model's, plus `--extra-eos-token`s.
+pub fn eos_ids(a: &GenerateArgs, m: &LoadedModel) -> Result<Vec<u32>> {
     let mut eos_ids = m.eos_ids();
     for t in &a.extra_eos_token {
         let tok = m.tokenizer()?;
@@ -123,6 +138,30 @@ pub fn run(a: GenerateArgs) -> Result<()> {
                 .ok_or_else(|| anyhow!("--extra-eos-token '{t}' is not a token"))?,
         );
     }
+    Ok(eos_ids)
+}
+
+pub fn run(a: GenerateArgs) -> Result<()> {
+    if (a.logprobs > 0 || a.prompt_logprobs > 0) && !a.json {
+        bail!("--logprobs and --prompt-logprobs need --json");
+    }
+    let sampler = a.sampling.params()?;
+    if let Some(path) = &a.requests {
+        return super::requests::run(&a, path);
+    }
+    let m = a.model.load()?;
+    let messages = a.messages.as_deref().map(read_messages).transpose()?;
+    let ids = prompt_ids(
+        PromptSpec {
+            prompt: a.prompt.as_deref(),
+            messages,
+            prompt_ids: a.prompt_ids.as_deref(),
+            system: a.system.as_deref(),
+            raw: a.raw,
+        },
+        &m,
+    )?;
+    let eos_ids = eos_ids(&a, &m)?;
     let req = Request {
         prompt: ids.clone(),
         max_tokens: a.max_tokens,
@@ -151,27 +190,15 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     text.push_str(&done.tail);
     let stats = done.stats;
     if a.json {
-        let text = m.has_tokenizer().then_some(text);
-        let pairs = |v: &Vec<(u32, f32)>| {
-            v.iter()
-                .map(|&(i, p)| serde_json::json!([i, p]))
-                .collect::<Vec<_>>()
-        };
-        let mut obj = serde_json::json!({
-            "prompt_ids": ids,
-            "ids": out_ids,
-            "text": text,
-            "logprobs": logprobs.iter().map(pairs).collect::<Vec<_>>(),
-            "finish_reason": done.reason.as_str(),
-        });
-        if a.prompt_logprobs > 0 {
-            obj["prompt_logprobs"] = stats
-                .prompt_logprobs
-                .iter()
-                .map(pairs)
-                .collect::<Vec<_>>()
-                .into();
+        let obj = Output {
+            prompt_ids: &ids,
+            ids: &out_ids,
+            text: m.has_tokenizer().then_some(&text),
+            logprobs: &logprobs,
+            prompt_logprobs: (a.prompt_logprobs > 0).then_some(&stats.prompt_logprobs),
+            reason: done.reason,
         }
+        .json();
         let _ = writeln!(stdout, "{obj}");
     } else {
         let _ = write_out(&mut stdout, &done.tail);
@@ -181,6 +208,37 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         print_stats(&stats);
     }
     Ok(())
+}
+
+/// What `--json` prints for one generation.
+pub struct Output<'a> {
+    pub prompt_ids: &'a [u32],
+    pub ids: &'a [u32],
+    pub text: Option<&'a String>,
+    pub logprobs: &'a [Vec<(u32, f32)>],
+    pub prompt_logprobs: Option<&'a Vec<Vec<(u32, f32)>>>,
+    pub reason: FinishReason,
+}
+
+impl Output<'_> {
+    pub fn json(&self) -> serde_json::Value {
+        let pairs = |v: &Vec<(u32, f32)>| {
+            v.iter()
+                .map(|&(i, p)| serde_json::json!([i, p]))
+                .collect::<Vec<_>>()
+        };
+        let mut obj = serde_json::json!({
+            "prompt_ids": self.prompt_ids,
+            "ids": self.ids,
+            "text": self.text,
+            "logprobs": self.logprobs.iter().map(pairs).collect::<Vec<_>>(),
+            "finish_reason": self.reason.as_str(),
+        });
+        if let Some(p) = self.prompt_logprobs {
+            obj["prompt_logprobs"] = p.iter().map(pairs).collect::<Vec<_>>().into();
+        }
+        obj
+    }
 }
 
 fn write_out(w: &mut impl Write, s: &str) -> std::io::Result<()> {

@@ -4,6 +4,7 @@ mod bench;
 mod bench_cuda;
 mod chat;
 mod generate;
+mod requests;
 
 use std::io::Write;
 

@@ -121,6 +121,11 @@ const X_ROWS_PER_PASS: usize = 64;
 /// Weights are decoded inside the SIMD dot kernels (exactly, as [`matmul_reference`] decodes them)
 /// and used for several activation rows per decode; parallel over blocks of weight rows.
 pub fn matmul(x: &[f32], n: usize, w: &Matrix, y: &mut [f32]) {
+    matmul_on(x, n, w, y, n >= GEMM_MIN_ROWS)
+}
+
+/// [`matmul`] through the dense GEMM (`gemm`) or the fused dot kernels, as the caller chooses.
+fn matmul_on(x: &[f32], n: usize, w: &Matrix, y: &mut [f32], gemm: bool) {
     let (rows, cols) = (w.rows, w.cols);
     debug_assert_eq!(x.len(), n * cols);
     debug_assert_eq!(y.len(), n * rows);
@@ -133,7 +138,7 @@ pub fn matmul(x: &[f32], n: usize, w: &Matrix, y: &mut [f32]) {
             });
         return;
     }
-    if n >= GEMM_MIN_ROWS {
+    if gemm {
         return matmul_gemm(x, n, w, y);
     }
     // Weight-row-major result blocks, transposed into token-major output at the end.
@@ -447,18 +452,78 @@ pub fn softcap(x: f32, cap: f32) -> f32 {
 
 /// `y[t][r] = sum_c x[t][c] * w[r][c]` for `n` activation rows, whatever the weight's format.
 pub fn linear(x: &[f32], n: usize, w: &LinearWeight, y: &mut [f32]) {
+    linear_on(x, n, w, y, n >= many_rows(w))
+}
+
+/// Rows from which a format's many-row path (weights decoded once, then a GEMM) is taken.
+fn many_rows(w: &LinearWeight) -> usize {
     match w {
-        LinearWeight::Ggml(m) => matmul(x, n, m, y),
-        LinearWeight::Exl3(e) => exl3_matmul(x, n, e, y),
+        LinearWeight::Ggml(_) => GEMM_MIN_ROWS,
+        LinearWeight::Exl3(_) => EXL3_GEMM_MIN_ROWS,
+    }
+}
+
+fn linear_on(x: &[f32], n: usize, w: &LinearWeight, y: &mut [f32], many: bool) {
+    match w {
+        LinearWeight::Ggml(m) => matmul_on(x, n, m, y, many),
+        LinearWeight::Exl3(e) => exl3_matmul(x, n, e, y, many),
+    }
+}
+
+/// [`linear`] on a batch whose rows belong to sequences of `seq_rows` rows each (in order). The
+/// rows of sequences with few rows go through the few-row kernels together (each weight block
+/// read once for all of them), and each sequence with many rows through the many-row path on
+/// its own: every row gets the arithmetic it gets when its sequence runs alone, bit for bit.
+pub fn linear_batched(x: &[f32], seq_rows: &[usize], w: &LinearWeight, y: &mut [f32]) {
+    let (cols, rows) = (w.cols(), w.rows());
+    let n: usize = seq_rows.iter().sum();
+    debug_assert_eq!(x.len(), n * cols);
+    let many = many_rows(w);
+    if seq_rows.len() == 1 || seq_rows.iter().all(|&r| r < many) {
+        return linear_on(x, n, w, y, seq_rows.len() == 1 && n >= many);
+    }
+    let few: Vec<(usize, usize)> = seq_rows
+        .iter()
+        .scan(0, |at, &r| {
+            let s = *at;
+            *at += r;
+            Some((s, r))
+        })
+        .collect();
+    let mut xs = Vec::new();
+    for &(s, r) in few.iter().filter(|(_, r)| *r < many) {
+        xs.extend_from_slice(&x[s * cols..(s + r) * cols]);
+    }
+    let nf = xs.len() / cols;
+    let mut ys = vec![0.0f32; nf * rows];
+    if nf > 0 {
+        linear_on(&xs, nf, w, &mut ys, false);
+    }
+    let mut at = 0;
+    for &(s, r) in &few {
+        let out = &mut y[s * rows..(s + r) * rows];
+        if r < many {
+            out.copy_from_slice(&ys[at * rows..(at + r) * rows]);
+            at += r;
+        } else {
+            linear_on(&x[s * cols..(s + r) * cols], r, w, out, true);
+        }
     }
 }
 
 /// EXL3: `y = H(H(x * suh) W_inner) * svh`, for `n` activation rows: the tile kernels for
 /// few rows, decode-to-f32 + GEMM from [`EXL3_GEMM_MIN_ROWS`] rows (prefill).
-fn exl3_matmul(x: &[f32], n: usize, w: &Exl3Matrix, y: &mut [f32]) {
+fn exl3_matmul(x: &[f32], n: usize, w: &Exl3Matrix, y: &mut [f32], many: bool) {
     let (k, out) = (w.shape.k, w.shape.n);
+    let run = |x: &[f32], y: &mut [f32]| {
+        if many {
+            exl3_matmul_gemm(&w.shape, w.trellis(), &w.suh, &w.svh, x, n, y)
+        } else {
+            exl3_matmul_tiles(&w.shape, w.trellis(), &w.suh, &w.svh, x, n, y)
+        }
+    };
     if (w.cols, w.rows) == (k, out) {
-        return exl3_linear(&w.shape, w.trellis(), &w.suh, &w.svh, x, n, y);
+        return run(x, y);
     }
     // Padded to 128s (as exllamav3 stores dimensions that are not): zero-extend the inputs (the
     // padded weight rows are zeros), keep the first `rows` outputs.
@@ -467,7 +532,7 @@ fn exl3_matmul(x: &[f32], n: usize, w: &Exl3Matrix, y: &mut [f32]) {
         d[..w.cols].copy_from_slice(s);
     }
     let mut yp = vec![0.0f32; n * out];
-    exl3_linear(&w.shape, w.trellis(), &w.suh, &w.svh, &xp, n, &mut yp);
+    run(&xp, &mut yp);
     for (d, s) in y.chunks_mut(w.rows).zip(yp.chunks(out)) {
         d.copy_from_slice(&s[..w.rows]);
     }

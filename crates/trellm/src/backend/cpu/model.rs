@@ -87,9 +87,9 @@ fn norm_rows(x: &mut [f32], w: &NormWeights, op: NormOp) {
     x.par_chunks_mut(w.w.len()).for_each(|r| norm(r, w, op));
 }
 
-/// `y = x W^T (+ b)` for `n` rows.
-fn linear(x: &[f32], n: usize, l: &Linear, y: &mut [f32]) {
-    cpu::linear(x, n, &l.w, y);
+/// `y = x W^T (+ b)` for a batch of sequences of `seq_rows` rows each.
+fn linear(x: &[f32], seq_rows: &[usize], l: &Linear, y: &mut [f32]) {
+    cpu::linear_batched(x, seq_rows, &l.w, y);
     if let Some(b) = &l.b {
         y.chunks_mut(b.len())
             .for_each(|r| r.iter_mut().zip(b).for_each(|(v, c)| *v += c));
@@ -207,7 +207,13 @@ impl CpuModel {
             return Vec::new();
         }
         let mut logits = vec![0.0f32; n * cfg.vocab];
-        cpu::linear(&rows, n, &self.weights.lm_head, &mut logits);
+        let out_rows: Vec<usize> = batch
+            .seqs
+            .iter()
+            .map(|s| s.want.rows(s.len))
+            .filter(|&r| r > 0)
+            .collect();
+        cpu::linear_batched(&rows, &out_rows, &self.weights.lm_head, &mut logits);
         if let Some(cap) = self.plan.logits.softcap {
             logits.iter_mut().for_each(|v| *v = cpu::softcap(*v, cap));
         }
@@ -227,6 +233,8 @@ impl CpuModel {
         st: &mut Scratch,
     ) {
         let m = batch.tokens.len();
+        let rows: Vec<usize> = batch.seqs.iter().map(|s| s.len).collect();
+        let rows = &rows[..];
         let pre_norm = |st: &mut Scratch, op: &Option<NormOp>, w: &Option<NormWeights>| {
             st.xn.copy_from_slice(&st.x);
             if let (Some(op), Some(w)) = (op, w) {
@@ -237,9 +245,9 @@ impl CpuModel {
             match op {
                 Op::AttnNorm(n) => pre_norm(st, n, &lw.attn_norm),
                 Op::Qkv(e) => {
-                    linear(&st.xn, m, &lw.q, &mut st.q);
-                    linear(&st.xn, m, &lw.k, &mut st.k);
-                    linear(&st.xn, m, &lw.v, &mut st.v);
+                    linear(&st.xn, rows, &lw.q, &mut st.q);
+                    linear(&st.xn, rows, &lw.k, &mut st.k);
+                    linear(&st.xn, rows, &lw.v, &mut st.v);
                     qkv_epilogue(e, lw, batch, st);
                     write_kv(kv, l, batch, &st.k, &st.v);
                 }
@@ -311,22 +319,22 @@ impl CpuModel {
                     }
                 }
                 Op::Output(e) => {
-                    linear(&st.attn, m, &lw.o, &mut st.proj);
+                    linear(&st.attn, rows, &lw.o, &mut st.proj);
                     residual(e, &lw.post_attn_norm, &mut st.x, &mut st.proj);
                 }
                 Op::MlpNorm(n) => pre_norm(st, n, &lw.ffn_norm),
                 Op::GateUp(g) => {
-                    linear(&st.xn, m, &lw.up, &mut st.up);
+                    linear(&st.xn, rows, &lw.up, &mut st.up);
                     match (g.gated, &lw.gate) {
                         (true, Some(gate)) => {
-                            linear(&st.xn, m, gate, &mut st.gate);
+                            linear(&st.xn, rows, gate, &mut st.gate);
                             cpu::gated_activation(g.activation, &mut st.gate, &st.up);
                         }
                         _ => cpu::activation(g.activation, &st.up, &mut st.gate),
                     }
                 }
                 Op::Down(e) => {
-                    linear(&st.gate, m, &lw.down, &mut st.proj);
+                    linear(&st.gate, rows, &lw.down, &mut st.proj);
                     residual(e, &lw.post_ffn_norm, &mut st.x, &mut st.proj);
                 }
             }
