@@ -64,7 +64,8 @@ fn generate_runs_on_the_gpu_engine() {
             cuda::errors(&g, &c).0 < REL_TOL,
             "{name}: prefill logits differ"
         );
-        let mut engine = trellm::cli::engine_on(Device::Cuda, &m, 1, 64).unwrap();
+        let opts = trellm::EngineOptions::for_sequences(1, 64);
+        let mut engine = m.engine(Device::Cuda, opts).unwrap();
         let req = Request {
             prompt: prompt.clone(),
             max_tokens: 16,

@@ -71,50 +71,12 @@ impl DeviceArgs {
         max_seqs: usize,
         positions: usize,
     ) -> Result<Engine<'t>> {
-        engine_on(self.device, m, max_seqs, positions)
+        let positions = positions.clamp(1, m.model.cfg.max_context.max(1));
+        m.engine(
+            self.device,
+            EngineOptions::for_sequences(max_seqs, positions),
+        )
     }
-}
-
-/// An engine for `m` on `device` with KV room for `max_seqs` sequences of `positions` each (at
-/// most the model's context).
-pub fn engine_on(
-    device: Device,
-    m: &LoadedModel,
-    max_seqs: usize,
-    positions: usize,
-) -> Result<Engine<'_>> {
-    let positions = positions.clamp(1, m.model.cfg.max_context.max(1));
-    let opts = EngineOptions::for_sequences(max_seqs, positions);
-    let tok = m.tokenizer().ok();
-    let engine = match device {
-        Device::Cpu => Engine::new(m.model.clone(), tok, opts)?,
-        Device::Cuda => cuda_engine(m, tok, opts, positions)?,
-    };
-    Ok(engine)
-}
-
-#[cfg(feature = "cuda")]
-fn cuda_engine<'t>(
-    m: &'t LoadedModel,
-    tok: Option<&'t trellm_tokenizer::Tokenizer>,
-    opts: EngineOptions,
-    positions: usize,
-) -> Result<Engine<'t>> {
-    if opts.max_seqs > 1 {
-        bail!("--device cuda runs one sequence at a time for now; batches run on the CPU");
-    }
-    let model = crate::backend::cuda::CudaModel::new(&m.model, positions)?;
-    Ok(Engine::new(std::sync::Arc::new(model), tok, opts)?)
-}
-
-#[cfg(not(feature = "cuda"))]
-fn cuda_engine<'t>(
-    _: &'t LoadedModel,
-    _: Option<&'t trellm_tokenizer::Tokenizer>,
-    _: EngineOptions,
-    _: usize,
-) -> Result<Engine<'t>> {
-    bail!("--device cuda: this trellm was built without the cuda feature")
 }
 
 impl ModelArgs {

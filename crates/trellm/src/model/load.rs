@@ -9,6 +9,8 @@ use trellm_formats::safetensors::SafeTensors;
 use trellm_tokenizer::Tokenizer;
 
 use crate::backend::cpu::CpuModel;
+use crate::backend::Device;
+use crate::engine::{Engine, EngineOptions};
 
 use super::config::ModelConfig;
 use super::weights::{TensorSource, Weights};
@@ -99,6 +101,41 @@ fn load_hf(dir: &Path, with_tokenizer: bool) -> Result<LoadedModel> {
 }
 
 impl LoadedModel {
+    /// An engine serving this model on `device`: the CPU model is shared; a GPU gets a copy of
+    /// the weights, uploaded now.
+    pub fn engine(&self, device: Device, opts: EngineOptions) -> Result<Engine<'_>> {
+        let tok = self.tokenizer.as_ref().ok();
+        Ok(match device {
+            Device::Cpu => Engine::new(self.model.clone(), tok, opts)?,
+            Device::Cuda => self.cuda_engine(tok, opts)?,
+        })
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_engine<'t>(
+        &'t self,
+        tok: Option<&'t Tokenizer>,
+        opts: EngineOptions,
+    ) -> Result<Engine<'t>> {
+        if opts.max_seqs > 1 {
+            bail!("--device cuda runs one sequence at a time for now; batches run on the CPU");
+        }
+        let positions = opts.kv_blocks * crate::backend::BLOCK_SIZE;
+        let model = crate::backend::cuda::CudaModel::new(&self.model, positions)?;
+        Ok(Engine::new(Arc::new(model), tok, opts)?)
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn cuda_engine<'t>(&'t self, _: Option<&'t Tokenizer>, _: EngineOptions) -> Result<Engine<'t>> {
+        bail!("--device cuda: this trellm was built without the cuda feature")
+    }
+
+    /// Token ids of a chat rendered through the model's template (with the generation prompt).
+    pub fn chat_prompt(&self, messages: &[trellm_tokenizer::ChatMessage]) -> Result<Vec<u32>> {
+        let tok = self.tokenizer()?;
+        Ok(tok.encode(&tok.apply_chat_template(messages, true)?, false)?)
+    }
+
     /// The tokenizer, or an error saying why there is none.
     pub fn tokenizer(&self) -> Result<&Tokenizer> {
         self.tokenizer.as_ref().map_err(|why| {

@@ -472,17 +472,19 @@ fn linear_on(x: &[f32], n: usize, w: &LinearWeight, y: &mut [f32], many: bool) {
 
 /// [`linear`] on a batch whose rows belong to sequences of `seq_rows` rows each (in order). The
 /// rows of sequences with few rows go through the few-row kernels together (each weight block
-/// read once for all of them), and each sequence with many rows through the many-row path on
-/// its own: every row gets the arithmetic it gets when its sequence runs alone, bit for bit.
+/// read once for all of them), and those of sequences with many rows through the many-row path
+/// together (a row's GEMM result does not depend on the other rows): every row gets the
+/// arithmetic it gets when its sequence runs alone.
 pub fn linear_batched(x: &[f32], seq_rows: &[usize], w: &LinearWeight, y: &mut [f32]) {
     let (cols, rows) = (w.cols(), w.rows());
     let n: usize = seq_rows.iter().sum();
     debug_assert_eq!(x.len(), n * cols);
     let many = many_rows(w);
-    if seq_rows.len() == 1 || seq_rows.iter().all(|&r| r < many) {
-        return linear_on(x, n, w, y, seq_rows.len() == 1 && n >= many);
+    let is_many = |r: usize| r >= many;
+    if seq_rows.iter().all(|&r| is_many(r)) || seq_rows.iter().all(|&r| !is_many(r)) {
+        return linear_on(x, n, w, y, is_many(seq_rows[0]));
     }
-    let few: Vec<(usize, usize)> = seq_rows
+    let spans: Vec<(usize, usize)> = seq_rows
         .iter()
         .scan(0, |at, &r| {
             let s = *at;
@@ -490,23 +492,18 @@ pub fn linear_batched(x: &[f32], seq_rows: &[usize], w: &LinearWeight, y: &mut [
             Some((s, r))
         })
         .collect();
-    let mut xs = Vec::new();
-    for &(s, r) in few.iter().filter(|(_, r)| *r < many) {
-        xs.extend_from_slice(&x[s * cols..(s + r) * cols]);
-    }
-    let nf = xs.len() / cols;
-    let mut ys = vec![0.0f32; nf * rows];
-    if nf > 0 {
-        linear_on(&xs, nf, w, &mut ys, false);
-    }
-    let mut at = 0;
-    for &(s, r) in &few {
-        let out = &mut y[s * rows..(s + r) * rows];
-        if r < many {
-            out.copy_from_slice(&ys[at * rows..(at + r) * rows]);
+    for path in [false, true] {
+        let mut xs = Vec::new();
+        for &(s, r) in spans.iter().filter(|(_, r)| is_many(*r) == path) {
+            xs.extend_from_slice(&x[s * cols..(s + r) * cols]);
+        }
+        let ns = xs.len() / cols;
+        let mut ys = vec![0.0f32; ns * rows];
+        linear_on(&xs, ns, w, &mut ys, path);
+        let mut at = 0;
+        for &(s, r) in spans.iter().filter(|(_, r)| is_many(*r) == path) {
+            y[s * rows..(s + r) * rows].copy_from_slice(&ys[at * rows..(at + r) * rows]);
             at += r;
-        } else {
-            linear_on(&x[s * cols..(s + r) * cols], r, w, out, true);
         }
     }
 }
