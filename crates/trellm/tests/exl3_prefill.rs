@@ -3,7 +3,10 @@
 //! activation rows, within f32 rounding of `sum |x w|`. Also the rows where `exl3_linear`
 //! switches from one to the other.
 
-use trellm::backend::cpu::{exl3_linear, exl3_matmul_gemm, exl3_matmul_tiles, EXL3_GEMM_MIN_ROWS};
+use trellm_quant::exl3::matmul::{
+    linear as exl3_linear, matmul_gemm as exl3_matmul_gemm, matmul_tiles as exl3_matmul_tiles,
+    GEMM_MIN_ROWS as EXL3_GEMM_MIN_ROWS,
+};
 use trellm_quant::exl3::{self, Bitrate, Codebook, Exl3Shape};
 
 struct Rng(u64);

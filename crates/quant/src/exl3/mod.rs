@@ -13,6 +13,7 @@
 pub mod codebook;
 pub mod hadamard;
 mod kernel;
+pub mod matmul;
 pub mod simd;
 pub mod trellis;
 

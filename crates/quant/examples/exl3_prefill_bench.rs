@@ -1,7 +1,7 @@
 //! EXL3 prefill on the CPU: the tile kernels (each tile decoded once per 16 rows) against
 //! decode-to-f32 + GEMM, on one layer, at one and two threads, interleaved in the same run.
 //!
-//!     cargo run --release -p trellm --example exl3_prefill_bench [-- K_IN N_OUT ROWS [REPS]]
+//!     cargo run --release -p trellm-quant --example exl3_prefill_bench [-- K_IN N_OUT ROWS [REPS]]
 //!
 //! Defaults: a 4096x14336 (in x out) 3-bit MUL1 layer, 512 rows, 5 repetitions; each line is the
 //! best of the repetitions. `sweep` as an argument times a few row counts on a 4096x4096 layer
@@ -9,7 +9,7 @@
 
 use std::time::Instant;
 
-use trellm::backend::cpu::{exl3_matmul_gemm, exl3_matmul_tiles};
+use trellm_quant::exl3::matmul::{matmul_gemm, matmul_tiles};
 use trellm_quant::exl3::{Bitrate, Codebook, Exl3Shape};
 
 fn main() {
@@ -65,9 +65,9 @@ fn main() {
                     let t = Instant::now();
                     pool.install(|| {
                         if path == 0 {
-                            exl3_matmul_tiles(&shape, &trellis, &suh, &svh, &x, rows, &mut y)
+                            matmul_tiles(&shape, &trellis, &suh, &svh, &x, rows, &mut y)
                         } else {
-                            exl3_matmul_gemm(&shape, &trellis, &suh, &svh, &x, rows, &mut y)
+                            matmul_gemm(&shape, &trellis, &suh, &svh, &x, rows, &mut y)
                         }
                     });
                     *b = b.min(t.elapsed().as_secs_f64());
