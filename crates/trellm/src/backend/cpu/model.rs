@@ -255,49 +255,73 @@ impl CpuModel {
                     let kv = &*kv;
                     let (q_dim, hd) = (a.n_heads * a.head_dim, a.head_dim);
                     let group = a.n_heads / a.n_kv_heads;
-                    // Sequences with few new queries: one task per query and head, reading
-                    // keys in place from the blocks.
+                    // Sequences with few new queries: tasks by query and head, reading keys in
+                    // place from the blocks.
                     let mut small = vec![usize::MAX; m];
                     for (i, s) in batch.seqs.iter().enumerate() {
                         if s.len < ATTN_GEMM_MIN_QUERIES {
                             small[s.offset..s.offset + s.len].fill(i);
                         }
                     }
+                    // The query heads of one kv head read its keys and values once, when there
+                    // are enough tasks to keep every thread busy; one head a task otherwise.
+                    // Each head's arithmetic is the same either way.
+                    let threads = rayon::current_num_threads();
+                    let per_task = if m * a.n_kv_heads >= 4 * threads {
+                        group
+                    } else {
+                        1
+                    };
                     let q = &st.q;
-                    st.attn.par_chunks_mut(hd).enumerate().for_each_init(
-                        Vec::new,
-                        |scores, (task, o)| {
-                            let (t, head) = (task / a.n_heads, task % a.n_heads);
-                            let Some(s) = batch.seqs.get(small[t]) else {
-                                return;
-                            };
-                            let pos = s.start + (t - s.offset);
-                            let lo = a.window.map_or(0, |w| (pos + 1).saturating_sub(w));
-                            let seq = SeqKv {
-                                kv,
-                                blocks: &s.blocks,
-                                layer: l,
-                            };
-                            let kvh = head / group;
-                            let qh: Vec<f32> = q[t * q_dim + head * hd..][..hd]
-                                .iter()
-                                .map(|v| v * a.scale)
-                                .collect();
-                            scores.clear();
-                            scores.extend(
-                                (lo..=pos)
-                                    .map(|j| cpu::dot(&qh, &seq.row(false, j)[kvh * hd..][..hd])),
-                            );
-                            if let Some(cap) = a.softcap {
-                                scores.iter_mut().for_each(|s| *s = cpu::softcap(*s, cap));
-                            }
-                            cpu::softmax(scores);
-                            o.fill(0.0);
-                            for (j, &p) in (lo..=pos).zip(scores.iter()) {
-                                cpu::axpy(p, &seq.row(true, j)[kvh * hd..][..hd], o);
-                            }
-                        },
-                    );
+                    st.attn
+                        .par_chunks_mut(per_task * hd)
+                        .enumerate()
+                        .for_each_init(
+                            || (Vec::new(), Vec::new()),
+                            |(scores, qs), (task, o)| {
+                                let tasks_per_token = a.n_heads / per_task;
+                                let (t, h0) =
+                                    (task / tasks_per_token, task % tasks_per_token * per_task);
+                                let Some(s) = batch.seqs.get(small[t]) else {
+                                    return;
+                                };
+                                let pos = s.start + (t - s.offset);
+                                let lo = a.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                                let n = pos + 1 - lo;
+                                let seq = SeqKv {
+                                    kv,
+                                    blocks: &s.blocks,
+                                    layer: l,
+                                };
+                                let kvh = h0 / group;
+                                qs.clear();
+                                qs.extend(
+                                    q[t * q_dim + h0 * hd..][..per_task * hd]
+                                        .iter()
+                                        .map(|v| v * a.scale),
+                                );
+                                scores.resize(per_task * n, 0.0);
+                                for (i, j) in (lo..=pos).enumerate() {
+                                    let key = &seq.row(false, j)[kvh * hd..][..hd];
+                                    for (g, qh) in qs.chunks(hd).enumerate() {
+                                        scores[g * n + i] = cpu::dot(qh, key);
+                                    }
+                                }
+                                for sc in scores.chunks_mut(n) {
+                                    if let Some(cap) = a.softcap {
+                                        sc.iter_mut().for_each(|s| *s = cpu::softcap(*s, cap));
+                                    }
+                                    cpu::softmax(sc);
+                                }
+                                o.fill(0.0);
+                                for (i, j) in (lo..=pos).enumerate() {
+                                    let value = &seq.row(true, j)[kvh * hd..][..hd];
+                                    for (g, oh) in o.chunks_mut(hd).enumerate() {
+                                        cpu::axpy(scores[g * n + i], value, oh);
+                                    }
+                                }
+                            },
+                        );
                     // Prefill chunks: two matrix products per head and query tile over the
                     // sequence's keys gathered contiguously.
                     for s in batch.seqs.iter().filter(|s| s.len >= ATTN_GEMM_MIN_QUERIES) {
