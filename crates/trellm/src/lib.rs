@@ -56,6 +56,7 @@ pub mod backend;
 pub mod cli;
 pub mod engine;
 pub mod model;
+pub mod server;
 
 pub use backend::Device;
 pub use engine::{

@@ -7,7 +7,8 @@ pub mod cpu;
 pub mod cuda;
 
 use anyhow::{anyhow, Result};
-use trellm_model::{Batch, BlockPool, BlockTable, ModelBackend, Want};
+pub use trellm_model::ModelBackend;
+use trellm_model::{Batch, BlockPool, BlockTable, Want};
 
 /// Where forward passes run (`--device`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]

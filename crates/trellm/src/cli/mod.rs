@@ -5,6 +5,7 @@ mod bench_cuda;
 mod chat;
 mod generate;
 mod requests;
+mod serve;
 
 use std::io::Write;
 
@@ -33,6 +34,8 @@ pub struct Cli {
 pub enum Command {
     /// Generate text from a prompt.
     Generate(generate::GenerateArgs),
+    /// Serve the model over OpenAI- and Anthropic-compatible HTTP APIs.
+    Serve(serve::ServeArgs),
     /// Chat with a model in the terminal.
     Chat(chat::ChatArgs),
     /// Measure prompt processing and generation speed (llama-bench's pp/tg).
@@ -177,6 +180,7 @@ impl SamplingArgs {
 pub fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Generate(a) => generate::run(a),
+        Command::Serve(a) => serve::run(a),
         Command::Chat(a) => chat::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Pull { model } => {

@@ -176,7 +176,7 @@ pub fn run(a: &GenerateArgs, path: &Path) -> Result<()> {
                 text: m.has_tokenizer().then_some(&c.text),
                 logprobs: &c.logprobs,
                 prompt_logprobs: (reqs[printed].prompt_logprobs > 0).then_some(prompt_lp),
-                reason: *reason,
+                reason: reason.clone(),
             }
             .json();
             obj["id"] = lines[printed]

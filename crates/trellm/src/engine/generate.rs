@@ -9,10 +9,16 @@ use super::scheduler::{Engine, EngineError, Event, FinishReason, Request};
 /// Prompt tokens per forward pass during prefill (mlx-lm's default step).
 pub const PREFILL_STEP: usize = 2048;
 
+/// Prompt tokens per step when serving many: a prompt delays running streams by about one
+/// chunk's prefill.
+pub const PREFILL_CHUNK_SERVE: usize = 512;
+
 /// One generated token.
 #[derive(Debug, Clone)]
 pub struct Step {
     pub token: u32,
+    /// Its log-probability (after the processors, before the filters).
+    pub logprob: f32,
     /// `(id, logprob)` of the most likely tokens, after the processors and before the filters.
     pub top: Vec<(u32, f32)>,
 }

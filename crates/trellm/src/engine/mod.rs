@@ -6,6 +6,6 @@ pub mod sampler;
 pub mod scheduler;
 pub mod stop;
 
-pub use generate::{generate, Finished, Flow, GenerationStats, Step};
+pub use generate::{generate, Finished, Flow, GenerationStats, Step, PREFILL_CHUNK_SERVE};
 pub use sampler::{Sampler, SamplerParams};
 pub use scheduler::{Engine, EngineError, EngineOptions, Event, FinishReason, Request, SeqId};

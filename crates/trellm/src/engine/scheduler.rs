@@ -53,10 +53,12 @@ pub struct Request {
     pub stop: Vec<String>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum FinishReason {
-    /// An EOS token or a stop string.
+    /// An EOS token.
     Stop,
+    /// A stop string (not part of the text).
+    StopString(String),
     /// `max_tokens`, or the model's context is full.
     Length,
     Cancelled,
@@ -64,9 +66,9 @@ pub enum FinishReason {
 
 impl FinishReason {
     /// The name OpenAI's API uses.
-    pub fn as_str(self) -> &'static str {
+    pub fn as_str(&self) -> &'static str {
         match self {
-            FinishReason::Stop => "stop",
+            FinishReason::Stop | FinishReason::StopString(_) => "stop",
             FinishReason::Length => "length",
             FinishReason::Cancelled => "cancelled",
         }
@@ -410,6 +412,7 @@ impl<'t> Engine<'t> {
             let token = s.sampler.sample(&lp);
             let step = Step {
                 token,
+                logprob: lp[token as usize],
                 top: if s.req.logprobs > 0 {
                     top_k(&lp, s.req.logprobs)
                 } else {
@@ -432,8 +435,10 @@ impl<'t> Engine<'t> {
                 step,
                 text,
             });
-            if eos || s.stops.stopped() {
+            if eos {
                 ended.push((i, FinishReason::Stop));
+            } else if let Some(m) = s.stops.matched() {
+                ended.push((i, FinishReason::StopString(m.to_string())));
             } else if s.stats.generated_tokens >= s.req.max_tokens || s.table.len() >= max_context {
                 ended.push((i, FinishReason::Length));
             } else {

@@ -6,6 +6,8 @@ pub struct StopStrings {
     stops: Vec<String>,
     text: String,
     released: usize,
+    /// The stop string that ended the text.
+    matched: Option<String>,
     stopped: bool,
 }
 
@@ -26,12 +28,13 @@ impl StopStrings {
         self.text.push_str(chunk);
         // A stop string can begin up to its length before the new text.
         let search_from = floor_boundary(&self.text, from.saturating_sub(self.max_stop_len()));
-        if let Some(at) = self
+        if let Some((at, stop)) = self
             .stops
             .iter()
-            .filter_map(|s| self.text[search_from..].find(s.as_str()))
-            .min()
+            .filter_map(|s| self.text[search_from..].find(s.as_str()).map(|at| (at, s)))
+            .min_by_key(|&(at, _)| at)
         {
+            self.matched = Some(stop.clone());
             self.text.truncate(search_from + at);
             self.stopped = true;
             self.released = self.text.len();
@@ -51,6 +54,11 @@ impl StopStrings {
 
     pub fn stopped(&self) -> bool {
         self.stopped
+    }
+
+    /// The stop string that ended the text, if one did.
+    pub fn matched(&self) -> Option<&str> {
+        self.matched.as_deref()
     }
 
     /// All text so far, without any stop string.

@@ -1,0 +1,613 @@
+//! OpenAI's endpoints: `/v1/chat/completions`, `/v1/completions`, `/v1/models`, streamed as
+//! the official client parses them (a role chunk, content deltas, a chunk with the
+//! finish_reason, a usage chunk with `choices: []` when asked, then `data: [DONE]`).
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use trellm_tokenizer::ChatMessage;
+
+use super::api::{collect, parse, start, ApiError, Choice, ChoiceUpdate, OneOrMany};
+use super::{authorized, unix_time, AppState};
+use crate::engine::{Request, SamplerParams, Step};
+
+/// Most choices a request may ask for.
+const MAX_N: usize = 16;
+/// Most top logprobs a token may report (OpenAI's limit).
+const MAX_TOP_LOGPROBS: usize = 20;
+
+#[derive(Deserialize, Debug)]
+#[serde(untagged)]
+enum Content {
+    Text(String),
+    Parts(Vec<Part>),
+}
+
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+struct Part {
+    #[serde(rename = "type")]
+    kind: String,
+    text: Option<String>,
+}
+
+#[derive(Deserialize, Debug)]
+struct Message {
+    role: String,
+    content: Option<Content>,
+}
+
+#[derive(Deserialize, Debug, Default)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: bool,
+}
+
+/// The sampling and length fields both endpoints take.
+#[derive(Deserialize, Debug, Default)]
+struct Sampling {
+    max_tokens: Option<usize>,
+    max_completion_tokens: Option<usize>,
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    top_k: Option<usize>,
+    min_p: Option<f32>,
+    repetition_penalty: Option<f32>,
+    presence_penalty: Option<f32>,
+    frequency_penalty: Option<f32>,
+    logit_bias: Option<BTreeMap<String, f32>>,
+    seed: Option<u64>,
+    stop: Option<OneOrMany>,
+    n: Option<usize>,
+    stream: Option<bool>,
+    stream_options: Option<StreamOptions>,
+}
+
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+struct ChatRequest {
+    model: Option<String>,
+    messages: Vec<Message>,
+    #[serde(flatten)]
+    sampling: Sampling,
+    logprobs: Option<bool>,
+    top_logprobs: Option<usize>,
+    response_format: Option<Value>,
+    tools: Option<Value>,
+    tool_choice: Option<Value>,
+    user: Option<String>,
+    // Accepted and ignored, as other local servers do.
+    #[allow(dead_code)]
+    parallel_tool_calls: Option<bool>,
+    #[allow(dead_code)]
+    metadata: Option<Value>,
+    #[allow(dead_code)]
+    store: Option<bool>,
+}
+
+#[derive(Deserialize, Debug)]
+#[serde(untagged)]
+enum Prompt {
+    Text(String),
+    Ids(Vec<u32>),
+}
+
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+struct CompletionRequest {
+    model: Option<String>,
+    prompt: Prompt,
+    #[serde(flatten)]
+    sampling: Sampling,
+    logprobs: Option<usize>,
+    echo: Option<bool>,
+    user: Option<String>,
+}
+
+impl Sampling {
+    /// One engine request per choice (choice `i` seeded with `seed + i`).
+    fn requests(
+        &self,
+        s: &AppState,
+        prompt: Vec<u32>,
+        logprobs: usize,
+    ) -> Result<Vec<Request>, ApiError> {
+        let n = self.n.unwrap_or(1);
+        if n == 0 || n > MAX_N {
+            return Err(ApiError::invalid(format!("n must be in 1..={MAX_N}")).param("n"));
+        }
+        let cfg = &s.model.model.cfg;
+        let room = cfg.max_context.saturating_sub(prompt.len());
+        if room == 0 {
+            return Err(ApiError::invalid(format!(
+                "the prompt has {} tokens; the model's context is {} tokens",
+                prompt.len(),
+                cfg.max_context
+            ))
+            .param("messages"));
+        }
+        let max_tokens = self
+            .max_completion_tokens
+            .or(self.max_tokens)
+            .unwrap_or(room.min(4096));
+        if max_tokens > room {
+            return Err(ApiError::invalid(format!(
+                "the prompt ({} tokens) and max_tokens ({max_tokens}) exceed the model's context of {} tokens",
+                prompt.len(),
+                cfg.max_context
+            ))
+            .param("max_tokens"));
+        }
+        let logit_bias = match &self.logit_bias {
+            None => Vec::new(),
+            Some(m) => m
+                .iter()
+                .map(|(k, &v)| {
+                    k.trim().parse::<u32>().map(|id| (id, v)).map_err(|_| {
+                        ApiError::invalid(format!("logit_bias key '{k}' is not a token id"))
+                            .param("logit_bias")
+                    })
+                })
+                .collect::<Result<_, _>>()?,
+        };
+        let base = SamplerParams {
+            temp: self.temperature.unwrap_or(1.0),
+            top_p: self.top_p.unwrap_or(1.0),
+            min_p: self.min_p.unwrap_or(0.0),
+            top_k: self.top_k.unwrap_or(0),
+            repetition_penalty: self.repetition_penalty,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            logit_bias,
+            seed: self.seed,
+            ..Default::default()
+        };
+        base.validate(cfg.vocab)
+            .map_err(|e| ApiError::invalid(e.to_string().replace("--", "").replace('-', "_")))?;
+        let stop = self
+            .stop
+            .clone()
+            .map(OneOrMany::into_vec)
+            .unwrap_or_default();
+        if stop.len() > 4 {
+            return Err(ApiError::invalid("stop takes at most 4 sequences").param("stop"));
+        }
+        Ok((0..n)
+            .map(|i| Request {
+                prompt: prompt.clone(),
+                max_tokens,
+                sampler: SamplerParams {
+                    seed: base.seed.map(|s| s.wrapping_add(i as u64)),
+                    ..base.clone()
+                },
+                logprobs,
+                prompt_logprobs: 0,
+                eos_ids: s.model.eos_ids(),
+                stop: stop.clone(),
+            })
+            .collect())
+    }
+
+    fn stream(&self) -> bool {
+        self.stream.unwrap_or(false)
+    }
+    fn include_usage(&self) -> bool {
+        self.stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage)
+    }
+}
+
+fn check_model(s: &AppState, model: &Option<String>) -> Result<(), ApiError> {
+    match model {
+        Some(m) if m != &s.model_name && !m.is_empty() => Err(ApiError::new(
+            axum::http::StatusCode::NOT_FOUND,
+            "not_found_error",
+            format!(
+                "the model '{m}' does not exist; this server serves '{}'",
+                s.model_name
+            ),
+        )
+        .param("model")),
+        _ => Ok(()),
+    }
+}
+
+fn text_of(c: Option<Content>) -> Result<String, ApiError> {
+    match c {
+        None => Ok(String::new()),
+        Some(Content::Text(t)) => Ok(t),
+        Some(Content::Parts(parts)) => parts
+            .into_iter()
+            .map(|p| match (p.kind.as_str(), p.text) {
+                ("text", Some(t)) => Ok(t),
+                (k, _) => Err(ApiError::invalid(format!(
+                    "content parts of type '{k}' are not supported"
+                ))
+                .param("messages")),
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map(|v| v.concat()),
+    }
+}
+
+fn token_text(s: &AppState, id: u32) -> String {
+    s.model
+        .tokenizer()
+        .and_then(|t| Ok(t.decode(&[id], false)?))
+        .unwrap_or_default()
+}
+
+/// Chat logprobs of one token: `{token, logprob, bytes, top_logprobs}`.
+fn chat_logprob(s: &AppState, step: &Step, top: usize) -> Value {
+    let entry = |id: u32, lp: f32| {
+        let t = token_text(s, id);
+        json!({"token": t, "logprob": lp, "bytes": t.as_bytes()})
+    };
+    let mut v = entry(step.token, step.logprob);
+    v["top_logprobs"] = step
+        .top
+        .iter()
+        .take(top)
+        .map(|&(id, lp)| entry(id, lp))
+        .collect::<Vec<_>>()
+        .into();
+    v
+}
+
+fn usage(prompt: usize, completion: usize) -> Value {
+    json!({
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    })
+}
+
+fn request_id(prefix: &str) -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    format!(
+        "{prefix}-{:x}{:06x}",
+        unix_time(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+pub async fn models(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    if !authorized(&s, &headers) {
+        return ApiError::unauthorized().openai();
+    }
+    axum::Json(json!({
+        "object": "list",
+        "data": [{"id": s.model_name, "object": "model", "created": s.created, "owned_by": "trellm"}],
+    }))
+    .into_response()
+}
+
+pub async fn chat_completions(
+    State(s): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if !authorized(&s, &headers) {
+        return ApiError::unauthorized().openai();
+    }
+    match chat(s, &body).await {
+        Ok(r) => r,
+        Err(e) => e.openai(),
+    }
+}
+
+async fn chat(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
+    let r: ChatRequest = parse(body)?;
+    check_model(&s, &r.model)?;
+    let _ = &r.user;
+    match r
+        .response_format
+        .as_ref()
+        .and_then(|f| f.get("type"))
+        .and_then(Value::as_str)
+    {
+        None | Some("text") => {}
+        Some(other) => {
+            return Err(ApiError::invalid(format!(
+                "response_format '{other}' is not supported yet"
+            ))
+            .param("response_format"))
+        }
+    }
+    if r.tools
+        .as_ref()
+        .is_some_and(|t| !t.as_array().is_some_and(|a| a.is_empty()))
+        || r.tool_choice.as_ref().is_some_and(|c| c != "none")
+    {
+        return Err(ApiError::invalid("tools are not supported yet").param("tools"));
+    }
+    if r.messages.is_empty() {
+        return Err(ApiError::invalid("messages must not be empty").param("messages"));
+    }
+    let messages = r
+        .messages
+        .into_iter()
+        .map(|m| Ok(ChatMessage::new(m.role, text_of(m.content)?)))
+        .collect::<Result<Vec<_>, ApiError>>()?;
+    let prompt = s
+        .model
+        .chat_prompt(&messages)
+        .map_err(|e| ApiError::invalid(e.to_string()).param("messages"))?;
+    let top = r.top_logprobs.unwrap_or(0);
+    if top > MAX_TOP_LOGPROBS {
+        return Err(
+            ApiError::invalid(format!("top_logprobs must be at most {MAX_TOP_LOGPROBS}"))
+                .param("top_logprobs"),
+        );
+    }
+    let want_lp = r.logprobs.unwrap_or(false);
+    let reqs = r
+        .sampling
+        .requests(&s, prompt.clone(), if want_lp { top.max(1) } else { 0 })?;
+    let id = request_id("chatcmpl");
+    let created = unix_time();
+    if r.sampling.stream() {
+        let rx = start(&s.worker, reqs)?;
+        return Ok(stream_chat(
+            s,
+            rx,
+            id,
+            created,
+            prompt.len(),
+            r.sampling.include_usage(),
+            want_lp.then_some(top),
+        ));
+    }
+    let choices = collect(&s.worker, reqs).await?;
+    let completion: usize = choices.iter().map(|c| c.steps.len()).sum();
+    let out: Vec<Value> = choices
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            json!({
+                "index": i,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": want_lp.then(|| json!({"content": c.steps.iter().map(|st| chat_logprob(&s, st, top)).collect::<Vec<_>>()})),
+                "finish_reason": c.reason.as_ref().map(|r| r.as_str()),
+            })
+        })
+        .collect();
+    Ok(axum::Json(json!({
+        "id": id,
+        "object": "chat.completion",
+        "created": created,
+        "model": s.model_name,
+        "choices": out,
+        "usage": usage(prompt.len(), completion),
+    }))
+    .into_response())
+}
+
+fn sse(v: &Value) -> Result<SseEvent, Infallible> {
+    Ok(SseEvent::default().data(v.to_string()))
+}
+
+fn stream_chat(
+    s: Arc<AppState>,
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<(usize, ChoiceUpdate)>,
+    id: String,
+    created: u64,
+    prompt_tokens: usize,
+    include_usage: bool,
+    logprobs: Option<usize>,
+) -> Response {
+    let (tx, out) = tokio::sync::mpsc::unbounded_channel();
+    // The merged receiver ends once every choice has ended.
+    tokio::spawn(async move {
+        let chunk = |choices: Value| json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": s.model_name, "choices": choices});
+        let mut started = std::collections::HashSet::new();
+        let mut completion = 0usize;
+        while let Some((i, u)) = rx.recv().await {
+            if started.insert(i) {
+                let first = chunk(
+                    json!([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]),
+                );
+                if tx.send(sse(&first)).is_err() {
+                    return;
+                }
+            }
+            let msg = match u {
+                ChoiceUpdate::Token { step, text } => {
+                    completion += 1;
+                    let lp = logprobs.map(|top| json!({"content": [chat_logprob(&s, &step, top)]}));
+                    if text.is_empty() && lp.is_none() {
+                        continue;
+                    }
+                    chunk(
+                        json!([{"index": i, "delta": {"content": text}, "logprobs": lp, "finish_reason": null}]),
+                    )
+                }
+                ChoiceUpdate::Done { reason, text } => {
+                    if !text.is_empty() {
+                        let c = chunk(
+                            json!([{"index": i, "delta": {"content": text}, "logprobs": null, "finish_reason": null}]),
+                        );
+                        if tx.send(sse(&c)).is_err() {
+                            return;
+                        }
+                    }
+                    chunk(
+                        json!([{"index": i, "delta": {}, "logprobs": null, "finish_reason": reason.as_str()}]),
+                    )
+                }
+                ChoiceUpdate::Failed(e) => {
+                    let _ = tx.send(sse(
+                        &json!({"error": {"message": e.message, "type": e.kind}}),
+                    ));
+                    return;
+                }
+            };
+            if tx.send(sse(&msg)).is_err() {
+                return;
+            }
+        }
+        if include_usage {
+            let mut u = chunk(json!([]));
+            u["usage"] = usage(prompt_tokens, completion);
+            let _ = tx.send(sse(&u));
+        }
+        let _ = tx.send(Ok(SseEvent::default().data("[DONE]")));
+    });
+    Sse::new(UnboundedReceiverStream::new(out)).into_response()
+}
+
+pub async fn completions(
+    State(s): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if !authorized(&s, &headers) {
+        return ApiError::unauthorized().openai();
+    }
+    match completion(s, &body).await {
+        Ok(r) => r,
+        Err(e) => e.openai(),
+    }
+}
+
+/// Completions logprobs of a choice: `{tokens, token_logprobs, top_logprobs, text_offset}`.
+fn completion_logprobs(s: &AppState, c: &Choice, top: usize) -> Value {
+    let mut offset = 0;
+    let (mut tokens, mut lps, mut tops, mut offsets) = (vec![], vec![], vec![], vec![]);
+    for st in &c.steps {
+        let t = token_text(s, st.token);
+        offsets.push(offset);
+        offset += t.len();
+        tokens.push(t);
+        lps.push(st.logprob);
+        let m: serde_json::Map<String, Value> = st
+            .top
+            .iter()
+            .take(top)
+            .map(|&(id, lp)| (token_text(s, id), json!(lp)))
+            .collect();
+        tops.push(Value::Object(m));
+    }
+    json!({"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets})
+}
+
+async fn completion(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
+    let r: CompletionRequest = parse(body)?;
+    check_model(&s, &r.model)?;
+    let _ = &r.user;
+    let prompt = match &r.prompt {
+        Prompt::Ids(ids) => ids.clone(),
+        Prompt::Text(t) => {
+            let tok = s
+                .model
+                .tokenizer()
+                .map_err(|e| ApiError::invalid(e.to_string()))?;
+            tok.encode(t, true)
+                .map_err(|e| ApiError::invalid(e.to_string()).param("prompt"))?
+        }
+    };
+    if prompt.is_empty() {
+        return Err(ApiError::invalid("the prompt is empty").param("prompt"));
+    }
+    let top = r.logprobs.unwrap_or(0);
+    if top > 5 {
+        return Err(ApiError::invalid("logprobs must be at most 5").param("logprobs"));
+    }
+    let reqs = r.sampling.requests(
+        &s,
+        prompt.clone(),
+        top.max(usize::from(r.logprobs.is_some())),
+    )?;
+    let id = request_id("cmpl");
+    let created = unix_time();
+    let echo = match (&r.prompt, r.echo.unwrap_or(false)) {
+        (Prompt::Text(t), true) => t.clone(),
+        _ => String::new(),
+    };
+    if r.sampling.stream() {
+        let mut rx = start(&s.worker, reqs)?;
+        let include_usage = r.sampling.include_usage();
+        let (tx, out) = tokio::sync::mpsc::unbounded_channel();
+        let name = s.model_name.clone();
+        tokio::spawn(async move {
+            let chunk = |choices: Value| json!({"id": id, "object": "text_completion", "created": created, "model": name, "choices": choices});
+            let mut completion = 0usize;
+            let mut echoed = std::collections::HashSet::new();
+            while let Some((i, u)) = rx.recv().await {
+                let mut text = String::new();
+                if !echo.is_empty() && echoed.insert(i) {
+                    text.push_str(&echo);
+                }
+                let msg = match u {
+                    ChoiceUpdate::Token { text: t, .. } => {
+                        completion += 1;
+                        text.push_str(&t);
+                        if text.is_empty() {
+                            continue;
+                        }
+                        chunk(
+                            json!([{"index": i, "text": text, "logprobs": null, "finish_reason": null}]),
+                        )
+                    }
+                    ChoiceUpdate::Done { reason, text: t } => {
+                        text.push_str(&t);
+                        chunk(
+                            json!([{"index": i, "text": text, "logprobs": null, "finish_reason": reason.as_str()}]),
+                        )
+                    }
+                    ChoiceUpdate::Failed(e) => {
+                        let _ = tx.send(sse(
+                            &json!({"error": {"message": e.message, "type": e.kind}}),
+                        ));
+                        return;
+                    }
+                };
+                if tx.send(sse(&msg)).is_err() {
+                    return;
+                }
+            }
+            if include_usage {
+                let mut u = chunk(json!([]));
+                u["usage"] = usage(prompt.len(), completion);
+                let _ = tx.send(sse(&u));
+            }
+            let _ = tx.send(Ok(SseEvent::default().data("[DONE]")));
+        });
+        return Ok(Sse::new(UnboundedReceiverStream::new(out)).into_response());
+    }
+    let choices = collect(&s.worker, reqs).await?;
+    let completion: usize = choices.iter().map(|c| c.steps.len()).sum();
+    let out: Vec<Value> = choices
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            json!({
+                "index": i,
+                "text": format!("{echo}{}", c.text),
+                "logprobs": r.logprobs.map(|_| completion_logprobs(&s, c, top)),
+                "finish_reason": c.reason.as_ref().map(|r| r.as_str()),
+            })
+        })
+        .collect();
+    Ok(axum::Json(json!({
+        "id": id,
+        "object": "text_completion",
+        "created": created,
+        "model": s.model_name,
+        "choices": out,
+        "usage": usage(prompt.len(), completion),
+    }))
+    .into_response())
+}
