@@ -15,13 +15,15 @@
 
 use std::sync::OnceLock;
 
-use super::{blocks, GgmlType};
+use super::GgmlType;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 mod scalar;
+#[cfg(target_arch = "x86_64")]
+mod unpack;
 
 /// An instruction-set level the kernels are compiled for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -242,19 +244,7 @@ fn schedule(
 
 /// The per-type block decoder of the reference path.
 fn decoder(ty: GgmlType) -> fn(&[u8], &mut [f32]) {
-    use GgmlType::*;
-    match ty {
-        F32 => blocks::float32,
-        F16 => blocks::float16,
-        BF16 => blocks::bfloat16,
-        Q4_0 => blocks::q4_0,
-        Q4_1 => blocks::q4_1,
-        Q5_0 => blocks::q5_0,
-        Q8_0 => blocks::q8_0,
-        Q4K => blocks::q4_k,
-        Q6K => blocks::q6_k,
-        _ => unreachable!("checked by is_supported"),
-    }
+    super::decoder(ty).expect("checked by is_supported")
 }
 
 /// The SIMD paths cover float rows (block length 1) in whole vectors only; this adds the last
