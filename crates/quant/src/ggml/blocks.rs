@@ -219,10 +219,16 @@ pub(super) fn q2_k(src: &[u8], out: &mut [f32]) {
             dl[k] = d * f32::from(sc & 0x0F);
             ml[k] = dmin * f32::from(sc >> 4);
         }
-        for (v, y) in y.iter_mut().enumerate() {
-            let (h, j, l) = (v / 128, (v / 32) % 4, v % 32);
-            let q = (b[16 + 32 * h + l] >> (2 * j)) & 3;
-            *y = dl[v / 16] * f32::from(q) - ml[v / 16];
+        for (h, y) in y.chunks_exact_mut(128).enumerate() {
+            let qs = &b[16 + 32 * h..48 + 32 * h];
+            for (j, y) in y.chunks_exact_mut(32).enumerate() {
+                // Values 128 h + 32 j + l: scales 8 h + 2 j (l < 16) and 8 h + 2 j + 1.
+                let k = 8 * h + 2 * j;
+                for (l, (y, &q)) in y.iter_mut().zip(qs).enumerate() {
+                    let k = k + l / 16;
+                    *y = dl[k] * f32::from((q >> (2 * j)) & 3) - ml[k];
+                }
+            }
         }
     });
 }
@@ -251,12 +257,17 @@ pub(super) fn q3_k(src: &[u8], out: &mut [f32]) {
         for (dl, &s) in dl.iter_mut().zip(&sc) {
             *dl = d * f32::from(s);
         }
-        for (v, y) in y.iter_mut().enumerate() {
-            let (h, j, l) = (v / 128, (v / 32) % 4, v % 32);
-            let lo = ((b[32 + 32 * h + l] >> (2 * j)) & 3) as i8;
-            let high = (b[l] >> (v / 32)) & 1;
-            let q = lo - if high == 0 { 4 } else { 0 };
-            *y = dl[v / 16] * f32::from(q);
+        let hmask = &b[..32];
+        for (h, y) in y.chunks_exact_mut(128).enumerate() {
+            let qs = &b[32 + 32 * h..64 + 32 * h];
+            for (j, y) in y.chunks_exact_mut(32).enumerate() {
+                let i = 4 * h + j;
+                for (l, ((y, &q), &hm)) in y.iter_mut().zip(qs).zip(hmask).enumerate() {
+                    let lo = ((q >> (2 * j)) & 3) as i8;
+                    let q = lo - if (hm >> i) & 1 == 0 { 4 } else { 0 };
+                    *y = dl[2 * i + l / 16] * f32::from(q);
+                }
+            }
         }
     });
 }

@@ -295,7 +295,7 @@ impl Fmt for Q51 {
     const BB: usize = 24;
     const CH: usize = 1;
     const H: usize = 2;
-    /// Tables for a clear and a set fifth bit, and the 32 fifth bits.
+    /// The 32-entry table (q = 0..16, then 16..32) and the 32 fifth bits.
     type Prep = (__m512, __m512, u32);
     #[inline(always)]
     unsafe fn prep(b: *const u8, s: *const f32) -> Self::Prep {
@@ -311,11 +311,17 @@ impl Fmt for Q51 {
     #[inline(always)]
     unsafe fn chunk(b: *const u8, p: &Self::Prep, _c: usize) -> [__m512; 2] {
         let (lo, hi, qh) = *p;
+        // The fifth bit goes to index bit 4, which picks the upper table (`vpermt2ps` reads the
+        // low 5 bits of each index, so the low nibble's lane is masked first).
         let q = u8x16(b.add(8));
+        let sixteen = _mm512_set1_epi32(16);
+        let ql = _mm512_and_si512(q, _mm512_set1_epi32(0x0F));
+        let i0 = _mm512_mask_or_epi32(ql, qh as u16, ql, sixteen);
         let q4 = _mm512_srli_epi32::<4>(q);
+        let i1 = _mm512_mask_or_epi32(q4, (qh >> 16) as u16, q4, sixteen);
         [
-            _mm512_mask_permutexvar_ps(lut(q, lo), qh as u16, q, hi),
-            _mm512_mask_permutexvar_ps(lut(q4, lo), (qh >> 16) as u16, q4, hi),
+            _mm512_permutex2var_ps(lo, i0, hi),
+            _mm512_permutex2var_ps(lo, i1, hi),
         ]
     }
 }
