@@ -305,10 +305,11 @@ pub(super) fn q8_k(src: &[u8], out: &mut [f32]) {
 
 /// Eight grid values times `db`, negated where `signs` has a bit set (bit j for value j).
 #[inline(always)]
-fn signed_grid(y: &mut [f32], db: f32, grid: &[u8], signs: u8) {
+fn signed_grid(y: &mut [f32], db: f32, grid: &[u8; 8], signs: u8) {
     for (j, (y, &g)) in y.iter_mut().zip(grid).enumerate() {
-        let s = if (signs >> j) & 1 == 1 { -1.0 } else { 1.0 };
-        *y = db * f32::from(g) * s;
+        // Negating the exact product sets its sign bit, as the reference's `* -1.0` does.
+        let neg = u32::from((signs >> j) & 1) << 31;
+        *y = f32::from_bits((db * f32::from(g)).to_bits() ^ neg);
     }
 }
 
