@@ -9,7 +9,7 @@
 
 use core::arch::x86_64::*;
 
-use crate::ggml::grids::{IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS};
+use crate::ggml::grids::{IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID};
 
 /// A block's quants in value order and its sub-block scales: weight `v` is `s[v / SUB] * q[v]`,
 /// plus `m[v / SUB]` for formats with an offset (already negated).
@@ -189,47 +189,50 @@ impl Unpack for Q5k {
     }
 }
 
-/// Byte masks of sign bits: 0xFF in byte j where bit j of the index is set.
-const fn sign_masks<const N: usize>(signs: &[u8; N]) -> [u64; N] {
-    let mut out = [0u64; N];
-    let mut i = 0;
-    while i < N {
-        let mut j = 0;
-        while j < 8 {
-            if (signs[i] >> j) & 1 == 1 {
-                out[i] |= 0xFF << (8 * j);
-            }
-            j += 1;
-        }
-        i += 1;
-    }
-    out
-}
-
-const fn identity() -> [u8; 256] {
-    let mut out = [0u8; 256];
-    let mut i = 0;
-    while i < 256 {
-        out[i] = i as u8;
-        i += 1;
-    }
-    out
-}
-
-/// Masks for a group's 7 stored sign bits (through `KSIGNS`) and for a plain sign byte.
-static KMASK7: [u64; 128] = sign_masks(&KSIGNS);
-static KMASK8: [u64; 256] = sign_masks(&identity());
-
-/// Eight grid bytes (each below 128) negated where `mask` has 0xFF: `!g + 1` per byte, which
-/// never carries into the next byte.
+/// Negates byte j of the 32 in `v` where bit j % 8 of byte j / 8 of `signs` is set.
 #[inline(always)]
-fn signed(g: u64, mask: u64) -> u64 {
-    (g ^ mask) + (mask & 0x0101_0101_0101_0101)
+unsafe fn apply_signs(v: __m256i, signs: u32) -> __m256i {
+    // Both 128-bit lanes hold all four sign bytes, so the in-lane shuffle can spread each one
+    // over its 8 values.
+    let s = _mm256_set1_epi32(signs as i32);
+    let spread = _mm256_setr_epi8(
+        0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3,
+        3, 3,
+    );
+    let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201_u64 as i64);
+    let m = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(s, spread), bit), bit);
+    // (v ^ m) - m: -v where m is all ones, v where it is zero.
+    _mm256_sub_epi8(_mm256_xor_si256(v, m), m)
 }
 
+/// The 8-bit sign patterns of four groups from their 7-bit indices, one per byte of `v`: the
+/// eighth bit makes each byte's parity even (what `KSIGNS` tabulates), computed four at a time.
 #[inline(always)]
-unsafe fn put8(u: &mut Unpacked, group: usize, v: u64) {
-    u.q.as_mut_ptr().add(8 * group).cast::<u64>().write(v);
+fn ksigns4(v: u32) -> u32 {
+    // Fold each byte's bits onto its bit 0; bits shifted in from the next byte only reach bits
+    // that later steps ignore.
+    let mut p = v ^ (v >> 4);
+    p ^= p >> 2;
+    p ^= p >> 1;
+    v | ((p & 0x0101_0101) << 7)
+}
+
+/// The four 7-bit fields at bits 0, 7, 14, 21 of `aux`, one per byte.
+#[inline(always)]
+fn fields7(aux: u32) -> u32 {
+    (aux & 0x7F) | ((aux << 1) & 0x7F00) | ((aux << 2) & 0x7F_0000) | ((aux << 3) & 0x7F00_0000)
+}
+
+/// Four 8-value grid rows (32 bytes) by index.
+#[inline(always)]
+unsafe fn rows8(grid: &[u64], idx: __m128i) -> __m256i {
+    _mm256_i32gather_epi64::<8>(grid.as_ptr().cast(), idx)
+}
+
+/// Eight 4-value grid rows (32 bytes) by index.
+#[inline(always)]
+unsafe fn rows4(grid: &[u32], idx: __m256i) -> __m256i {
+    _mm256_i32gather_epi32::<4>(grid.as_ptr().cast(), idx)
 }
 
 #[inline(always)]
@@ -247,14 +250,12 @@ impl Unpack for Iq2xxs {
         let mut u = Unpacked::new();
         let d = f16_at(b);
         for ib in 0..8 {
-            let idx = u32_at(b, 2 + 8 * ib);
+            // Per 32 values: four grid-row bytes, then the signs and scale.
+            let idx = _mm_cvtepu8_epi32(_mm_cvtsi32_si128(u32_at(b, 2 + 8 * ib) as i32));
             let aux = u32_at(b, 6 + 8 * ib);
             u.s[ib] = d * (0.5 + (aux >> 28) as f32) * 0.25;
-            for l in 0..4 {
-                let g = IQ2XXS_GRID[((idx >> (8 * l)) & 0xFF) as usize];
-                let m = KMASK7[((aux >> (7 * l)) & 0x7F) as usize];
-                put8(&mut u, 4 * ib + l, signed(g, m));
-            }
+            let v = apply_signs(rows8(&IQ2XXS_GRID, idx), ksigns4(fields7(aux)));
+            store(&mut u, 32 * ib, v);
         }
         u
     }
@@ -278,13 +279,18 @@ impl Unpack for Iq2xs {
     unsafe fn unpack(b: *const u8) -> Unpacked {
         let mut u = Unpacked::new();
         iq2_scales(f16_at(b), b.add(66), &mut u.s);
-        for g in 0..32 {
-            let q = b.add(2 + 2 * g).cast::<u16>().read_unaligned();
-            let v = signed(
-                IQ2XS_GRID[usize::from(q & 511)],
-                KMASK7[usize::from(q >> 9)],
+        for t in 0..8 {
+            // Four groups' u16s: a 9-bit grid row and a 7-bit sign index each.
+            let q = b.add(2 + 8 * t).cast::<u64>().read_unaligned();
+            let idx = _mm_and_si128(
+                _mm_cvtepu16_epi32(_mm_cvtsi64_si128(q as i64)),
+                _mm_set1_epi32(511),
             );
-            put8(&mut u, g, v);
+            // The sign indices (bits 9.. of each u16) packed into one byte each.
+            let v = (q >> 9) & 0x007F_007F_007F_007F;
+            let v = v | (v >> 8);
+            let signs = ksigns4(((v & 0xFFFF) | ((v >> 16) & 0xFFFF_0000)) as u32);
+            store(&mut u, 32 * t, apply_signs(rows8(&IQ2XS_GRID, idx), signs));
         }
         u
     }
@@ -299,11 +305,15 @@ impl Unpack for Iq2s {
     unsafe fn unpack(b: *const u8) -> Unpacked {
         let mut u = Unpacked::new();
         iq2_scales(f16_at(b), b.add(74), &mut u.s);
-        let qh = b.add(66).cast::<u64>().read_unaligned();
-        for g in 0..32 {
-            let idx = usize::from(*b.add(2 + g)) | ((((qh >> (2 * g)) & 3) as usize) << 8);
-            let v = signed(IQ2S_GRID[idx], KMASK8[usize::from(*b.add(34 + g))]);
-            put8(&mut u, g, v);
+        let shifts = _mm_setr_epi32(0, 2, 4, 6);
+        for t in 0..8 {
+            // Four groups: low index bytes, 2 high bits each from one qh byte, raw sign bytes.
+            let lo = _mm_cvtepu8_epi32(_mm_cvtsi32_si128(u32_at(b, 2 + 4 * t) as i32));
+            let qh = _mm_set1_epi32(i32::from(*b.add(66 + t)));
+            let hi = _mm_and_si128(_mm_srlv_epi32(qh, shifts), _mm_set1_epi32(3));
+            let idx = _mm_or_si128(lo, _mm_slli_epi32::<8>(hi));
+            let v = apply_signs(rows8(&IQ2S_GRID, idx), u32_at(b, 34 + 4 * t));
+            store(&mut u, 32 * t, v);
         }
         u
     }
@@ -321,13 +331,9 @@ impl Unpack for Iq3xxs {
         for ib in 0..8 {
             let aux = u32_at(b, 66 + 4 * ib);
             u.s[ib] = d * (0.5 + (aux >> 28) as f32) * 0.5;
-            for l in 0..4 {
-                let k = 2 + 8 * ib + 2 * l;
-                let g = u64::from(IQ3XXS_GRID[usize::from(*b.add(k))])
-                    | (u64::from(IQ3XXS_GRID[usize::from(*b.add(k + 1))]) << 32);
-                let m = KMASK7[((aux >> (7 * l)) & 0x7F) as usize];
-                put8(&mut u, 4 * ib + l, signed(g, m));
-            }
+            let idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(b.add(2 + 8 * ib).cast()));
+            let v = apply_signs(rows4(&IQ3XXS_GRID, idx), ksigns4(fields7(aux)));
+            store(&mut u, 32 * ib, v);
         }
         u
     }
@@ -346,13 +352,40 @@ impl Unpack for Iq3s {
         for (ib, s) in u.s[..8].iter_mut().enumerate() {
             *s = d * (1 + 2 * ((sc >> (4 * ib)) & 0x0F)) as f32;
         }
-        let qh = b.add(66).cast::<u64>().read_unaligned();
-        let idx = |j: usize| usize::from(*b.add(2 + j)) | ((((qh >> j) & 1) as usize) << 8);
-        for g in 0..32 {
-            let grid =
-                u64::from(IQ3S_GRID[idx(2 * g)]) | (u64::from(IQ3S_GRID[idx(2 * g + 1)]) << 32);
-            put8(&mut u, g, signed(grid, KMASK8[usize::from(*b.add(74 + g))]));
+        let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        for ib in 0..8 {
+            // The 8 grid rows of 32 values: 8 index bytes, their ninth bits in one qh byte.
+            let lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(b.add(2 + 8 * ib).cast()));
+            let qh = _mm256_set1_epi32(i32::from(*b.add(66 + ib)));
+            let hi = _mm256_and_si256(_mm256_srlv_epi32(qh, lanes), _mm256_set1_epi32(1));
+            let idx = _mm256_or_si256(lo, _mm256_slli_epi32::<8>(hi));
+            let v = apply_signs(rows4(&IQ3S_GRID, idx), u32_at(b, 74 + 4 * ib));
+            store(&mut u, 32 * ib, v);
         }
         u
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{fields7, ksigns4};
+    use crate::ggml::grids::KSIGNS;
+
+    #[test]
+    fn computed_signs_match_the_table() {
+        for i in 0..128u32 {
+            // Each byte position, with different neighbours on either side.
+            let v = i | ((127 - i) << 8) | (((i * 37) % 128) << 16) | (i << 24);
+            let want: u32 = (0..4)
+                .map(|l| u32::from(KSIGNS[((v >> (8 * l)) & 0x7F) as usize]) << (8 * l))
+                .sum();
+            assert_eq!(ksigns4(v), want, "{v:#010x}");
+            let aux = (v & 0x7F)
+                | (((v >> 8) & 0x7F) << 7)
+                | (((v >> 16) & 0x7F) << 14)
+                | (((v >> 24) & 0x7F) << 21)
+                | (0xF << 28);
+            assert_eq!(fields7(aux), v);
+        }
     }
 }
