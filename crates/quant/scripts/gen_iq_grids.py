@@ -63,7 +63,7 @@ def main() -> None:
     out.append(table("KSIGNS", "u8", [int(v) for v in ks], 8, 16))
     kv = ", ".join(str(v) for v in quants.IQ4_NL.kvalues)
     out.append("/// The 16 non-linear IQ4_NL / IQ4_XS values.")
-    out.append(f"pub(crate) static KVALUES_IQ4NL: [i8; 16] = [{kv}];")
+    out.append(f"pub(crate) static KVALUES_IQ4NL: [i8; 16] = [\n    {kv},\n];")
     print("\n".join(out))
 
 
