@@ -459,10 +459,10 @@ impl<U: Unpack> Fmt for Unp<U> {
     unsafe fn chunk(_b: *const u8, u: &Unpacked, c: usize) -> [__m256; 2] {
         let q = u.q.as_ptr().cast::<u8>().add(16 * c);
         let j = 16 * c / U::SUB;
-        let s = _mm256_set1_ps(u.s[j]);
+        let s = _mm256_set1_ps(u.sc.s[j]);
         let w = [i8x8_f32(q), i8x8_f32(q.add(8))];
         if U::MIN {
-            let m = _mm256_set1_ps(u.m[j]);
+            let m = _mm256_set1_ps(u.sc.m[j]);
             [_mm256_fmadd_ps(w[0], s, m), _mm256_fmadd_ps(w[1], s, m)]
         } else {
             [_mm256_mul_ps(w[0], s), _mm256_mul_ps(w[1], s)]

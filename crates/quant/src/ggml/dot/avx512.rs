@@ -6,7 +6,7 @@
 
 use core::arch::x86_64::*;
 
-use super::unpack::{self, Unpack, Unpacked};
+use super::unpack::{self, Scales, Unpack, Unpacked};
 use super::{f16_fields, k4_scales_mins, Shape};
 use crate::ggml::grids::KVALUES_IQ4NL;
 use crate::ggml::GgmlType;
@@ -406,7 +406,23 @@ impl Fmt for Q8k {
     }
 }
 
-/// A format unpacked per block by `unpack` (see there); chunk c is values 32c..32c + 32.
+/// The exact weights of 32 signed quants under their sub-block scales (values `32 c..`).
+#[inline(always)]
+unsafe fn scaled<U: Unpack>(q: [__m512; 2], sc: &Scales, c: usize) -> [__m512; 2] {
+    let mut w = q;
+    for (k, w) in w.iter_mut().enumerate() {
+        let j = (32 * c + 16 * k) / U::SUB;
+        let s = _mm512_set1_ps(sc.s[j]);
+        *w = if U::MIN {
+            _mm512_fmadd_ps(*w, s, _mm512_set1_ps(sc.m[j]))
+        } else {
+            _mm512_mul_ps(*w, s)
+        };
+    }
+    w
+}
+
+/// A format of `unpack`, unpacked whole per block; chunk c is values 32c..32c + 32.
 struct Unp<U>(core::marker::PhantomData<U>);
 impl<U: Unpack> Fmt for Unp<U> {
     const BL: usize = 256;
@@ -420,17 +436,32 @@ impl<U: Unpack> Fmt for Unp<U> {
     #[inline(always)]
     unsafe fn chunk(_b: *const u8, u: &Unpacked, c: usize) -> [__m512; 2] {
         let q = u.q.as_ptr().cast::<u8>().add(32 * c);
-        let mut w = [i8x16_f32(q), i8x16_f32(q.add(16))];
-        for (k, w) in w.iter_mut().enumerate() {
-            let j = (32 * c + 16 * k) / U::SUB;
-            let s = _mm512_set1_ps(u.s[j]);
-            *w = if U::MIN {
-                _mm512_fmadd_ps(*w, s, _mm512_set1_ps(u.m[j]))
-            } else {
-                _mm512_mul_ps(*w, s)
-            };
-        }
-        w
+        scaled::<U>([i8x16_f32(q), i8x16_f32(q.add(16))], &u.sc, c)
+    }
+}
+
+/// The same formats decoded chunk by chunk straight from the block, only the scales prepared
+/// per block: faster for the formats whose quants come from one grid gather per 32 values and
+/// whose per-block unpacking would otherwise be stored and reloaded.
+struct Direct<U>(core::marker::PhantomData<U>);
+impl<U: Unpack> Fmt for Direct<U> {
+    const BL: usize = 256;
+    const BB: usize = U::BB;
+    const CH: usize = 8;
+    type Prep = Scales;
+    #[inline(always)]
+    unsafe fn prep(b: *const u8, _s: *const f32) -> Scales {
+        U::scales(b)
+    }
+    #[inline(always)]
+    unsafe fn chunk(b: *const u8, sc: &Scales, c: usize) -> [__m512; 2] {
+        let q = U::quants(b, c);
+        let f = |v: __m128i| _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
+        let q = [
+            f(_mm256_castsi256_si128(q)),
+            f(_mm256_extracti128_si256::<1>(q)),
+        ];
+        scaled::<U>(q, sc, c)
     }
 }
 
@@ -652,10 +683,10 @@ pub(super) unsafe fn run(s: &Shape, w: *const u8, x: *const f32, out: *mut f32) 
         Q3K => run_fmt::<Unp<unpack::Q3k>>(s, w, x, out),
         Q5K => run_fmt::<Unp<unpack::Q5k>>(s, w, x, out),
         Q8K => run_fmt::<Q8k>(s, w, x, out),
-        IQ2XXS => run_fmt::<Unp<unpack::Iq2xxs>>(s, w, x, out),
-        IQ2XS => run_fmt::<Unp<unpack::Iq2xs>>(s, w, x, out),
+        IQ2XXS => run_fmt::<Direct<unpack::Iq2xxs>>(s, w, x, out),
+        IQ2XS => run_fmt::<Direct<unpack::Iq2xs>>(s, w, x, out),
         IQ2S => run_fmt::<Unp<unpack::Iq2s>>(s, w, x, out),
-        IQ3XXS => run_fmt::<Unp<unpack::Iq3xxs>>(s, w, x, out),
+        IQ3XXS => run_fmt::<Direct<unpack::Iq3xxs>>(s, w, x, out),
         IQ3S => run_fmt::<Unp<unpack::Iq3s>>(s, w, x, out),
         IQ4NL => run_fmt::<Iq4nl>(s, w, x, out),
         IQ4XS => run_fmt::<Iq4xs>(s, w, x, out),

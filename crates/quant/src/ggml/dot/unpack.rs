@@ -1,7 +1,8 @@
-//! Per-block unpacking shared by the AVX2 and AVX-512 kernels, for the 256-value formats whose
-//! quants are not plain nibbles: their bits (or grid rows and signs) are gathered once per block
-//! into 256 signed bytes in value order plus per-sub-block scales, from which each level's chunks
-//! then convert and scale whole vectors. Written with AVX2 intrinsics (both levels have them); every
+//! Unpacking shared by the AVX2 and AVX-512 kernels, for the 256-value formats whose quants are
+//! not plain nibbles: each format yields its per-sub-block scales and, 32 values at a time, its
+//! bits (or grid rows and signs) as signed bytes in value order. Kernels either unpack a whole
+//! block into `Unpacked` first or convert each 32 values as they go (AVX-512, for the formats
+//! where that measured faster). Written with AVX2 intrinsics (both levels have them); every
 //! function is `inline(always)`, so it compiles inside the level's `#[target_feature]` tile.
 //!
 //! Exactness: each weight is `s * q` or `fma(q, s, m)` with `s * q` exact, so it rounds as the
@@ -11,25 +12,30 @@ use core::arch::x86_64::*;
 
 use crate::ggml::grids::{IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID};
 
-/// A block's quants in value order and its sub-block scales: weight `v` is `s[v / SUB] * q[v]`,
-/// plus `m[v / SUB]` for formats with an offset (already negated).
+/// A block's sub-block scales: weight `v` is `s[v / SUB] * q[v]`, plus `m[v / SUB]` for formats
+/// with an offset (already negated).
 #[derive(Clone, Copy)]
-#[repr(C, align(64))]
-pub(super) struct Unpacked {
-    pub q: [i8; 256],
+pub(super) struct Scales {
     pub s: [f32; 16],
     pub m: [f32; 16],
 }
 
-impl Unpacked {
+impl Scales {
     #[inline(always)]
     fn new() -> Self {
-        Unpacked {
-            q: [0; 256],
+        Scales {
             s: [0.0; 16],
             m: [0.0; 16],
         }
     }
+}
+
+/// A whole block unpacked: its 256 quants in value order and its scales.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+pub(super) struct Unpacked {
+    pub q: [i8; 256],
+    pub sc: Scales,
 }
 
 /// One unpackable format.
@@ -39,9 +45,22 @@ pub(super) trait Unpack {
     const SUB: usize;
     /// Whether weights have the offset `m`.
     const MIN: bool;
-    /// # Safety
+    /// # Safety (all three)
     /// AVX2 is available; `b` points at a whole block.
-    unsafe fn unpack(b: *const u8) -> Unpacked;
+    unsafe fn scales(b: *const u8) -> Scales;
+    /// The signed quants of values `32 t .. 32 t + 32`.
+    unsafe fn quants(b: *const u8, t: usize) -> __m256i;
+    #[inline(always)]
+    unsafe fn unpack(b: *const u8) -> Unpacked {
+        let mut u = Unpacked {
+            q: [0; 256],
+            sc: Self::scales(b),
+        };
+        for t in 0..8 {
+            _mm256_store_si256(u.q.as_mut_ptr().add(32 * t).cast(), Self::quants(b, t));
+        }
+        u
+    }
 }
 
 #[inline(always)]
@@ -85,37 +104,31 @@ unsafe fn bit_set(v: __m256i, k: usize) -> __m256i {
     _mm256_cmpeq_epi8(_mm256_and_si256(v, m), m)
 }
 
-#[inline(always)]
-unsafe fn store(u: &mut Unpacked, at: usize, v: __m256i) {
-    _mm256_store_si256(u.q.as_mut_ptr().add(at).cast(), v);
-}
-
 pub(super) struct Q2k;
 impl Unpack for Q2k {
     const BB: usize = 84;
     const SUB: usize = 16;
     const MIN: bool = true;
     #[inline(always)]
-    unsafe fn unpack(b: *const u8) -> Unpacked {
-        let mut u = Unpacked::new();
+    unsafe fn scales(b: *const u8) -> Scales {
+        let mut u = Scales::new();
         let sc = _mm_loadu_si128(b.cast());
         let m4 = _mm_set1_epi8(0x0F);
-        scale16(
-            _mm_and_si128(sc, m4),
-            false,
-            f16_at(b.add(80)),
-            u.s.as_mut_ptr(),
-        );
+        let d = f16_at(b.add(80));
+        scale16(_mm_and_si128(sc, m4), false, d, u.s.as_mut_ptr());
         let mins = _mm_and_si128(_mm_srli_epi16::<4>(sc), m4);
         scale16(mins, false, -f16_at(b.add(82)), u.m.as_mut_ptr());
-        // Half h, quarter j: bits 2j..2j+2 of the half's 32 bytes are values 128h + 32j + l.
-        for h in 0..2 {
-            let q = _mm256_loadu_si256(b.add(16 + 32 * h).cast());
-            for j in 0..4 {
-                store(&mut u, 128 * h + 32 * j, bits(q, 2 * j as i32, 3));
-            }
-        }
         u
+    }
+    #[inline(always)]
+    unsafe fn quants(b: *const u8, t: usize) -> __m256i {
+        // Half h, quarter j: bits 2j..2j+2 of the half's 32 bytes are values 128h + 32j + l.
+        let (h, j) = (t / 4, t % 4);
+        bits(
+            _mm256_loadu_si256(b.add(16 + 32 * h).cast()),
+            2 * j as i32,
+            3,
+        )
     }
 }
 
@@ -141,22 +154,19 @@ impl Unpack for Q3k {
     const SUB: usize = 16;
     const MIN: bool = false;
     #[inline(always)]
-    unsafe fn unpack(b: *const u8) -> Unpacked {
-        let mut u = Unpacked::new();
+    unsafe fn scales(b: *const u8) -> Scales {
+        let mut u = Scales::new();
         scale16(k3_scales(b), true, f16_at(b.add(108)), u.s.as_mut_ptr());
-        let hm = _mm256_loadu_si256(b.cast());
-        let four = _mm256_set1_epi8(4);
-        for h in 0..2 {
-            let q = _mm256_loadu_si256(b.add(32 + 32 * h).cast());
-            for j in 0..4 {
-                // Value 32 i + l: 2 low bits as in Q2_K, minus 4 where bit i of hmask[l] is clear.
-                let i = 4 * h + j;
-                let clear = _mm256_andnot_si256(bit_set(hm, i), four);
-                let v = _mm256_sub_epi8(bits(q, 2 * j as i32, 3), clear);
-                store(&mut u, 32 * i, v);
-            }
-        }
         u
+    }
+    #[inline(always)]
+    unsafe fn quants(b: *const u8, t: usize) -> __m256i {
+        // Value 32 t + l: 2 low bits as in Q2_K, minus 4 where bit t of hmask[l] is clear.
+        let (h, j) = (t / 4, t % 4);
+        let q = _mm256_loadu_si256(b.add(32 + 32 * h).cast());
+        let hm = _mm256_loadu_si256(b.cast());
+        let clear = _mm256_andnot_si256(bit_set(hm, t), _mm256_set1_epi8(4));
+        _mm256_sub_epi8(bits(q, 2 * j as i32, 3), clear)
     }
 }
 
@@ -166,26 +176,23 @@ impl Unpack for Q5k {
     const SUB: usize = 32;
     const MIN: bool = true;
     #[inline(always)]
-    unsafe fn unpack(b: *const u8) -> Unpacked {
-        let mut u = Unpacked::new();
+    unsafe fn scales(b: *const u8) -> Scales {
+        let mut u = Scales::new();
         let (sc, mn) = super::k4_scales_mins(b);
         let d = _mm256_set1_ps(f16_at(b));
         let ndmin = _mm256_set1_ps(-f16_at(b.add(2)));
         let f = |v: u64| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v as i64)));
         _mm256_storeu_ps(u.s.as_mut_ptr(), _mm256_mul_ps(f(sc), d));
         _mm256_storeu_ps(u.m.as_mut_ptr(), _mm256_mul_ps(f(mn), ndmin));
-        let qh = _mm256_loadu_si256(b.add(16).cast());
-        let b16 = _mm256_set1_epi8(0x10);
-        for p in 0..4 {
-            let ql = _mm256_loadu_si256(b.add(48 + 32 * p).cast());
-            for h in 0..2 {
-                let k = 2 * p + h;
-                let lo = bits(ql, 4 * h as i32, 0x0F);
-                let hi = _mm256_and_si256(bit_set(qh, k), b16);
-                store(&mut u, 32 * k, _mm256_or_si256(lo, hi));
-            }
-        }
         u
+    }
+    #[inline(always)]
+    unsafe fn quants(b: *const u8, t: usize) -> __m256i {
+        // Sub-block t: nibble t % 2 of the run t / 2, fifth bits from bit t of qh.
+        let ql = _mm256_loadu_si256(b.add(48 + 32 * (t / 2)).cast());
+        let qh = _mm256_loadu_si256(b.add(16).cast());
+        let lo = bits(ql, 4 * (t % 2) as i32, 0x0F);
+        _mm256_or_si256(lo, _mm256_and_si256(bit_set(qh, t), _mm256_set1_epi8(0x10)))
     }
 }
 
@@ -246,18 +253,20 @@ impl Unpack for Iq2xxs {
     const SUB: usize = 32;
     const MIN: bool = false;
     #[inline(always)]
-    unsafe fn unpack(b: *const u8) -> Unpacked {
-        let mut u = Unpacked::new();
+    unsafe fn scales(b: *const u8) -> Scales {
+        let mut u = Scales::new();
         let d = f16_at(b);
-        for ib in 0..8 {
-            // Per 32 values: four grid-row bytes, then the signs and scale.
-            let idx = _mm_cvtepu8_epi32(_mm_cvtsi32_si128(u32_at(b, 2 + 8 * ib) as i32));
-            let aux = u32_at(b, 6 + 8 * ib);
-            u.s[ib] = d * (0.5 + (aux >> 28) as f32) * 0.25;
-            let v = apply_signs(rows8(&IQ2XXS_GRID, idx), ksigns4(fields7(aux)));
-            store(&mut u, 32 * ib, v);
+        for (ib, s) in u.s[..8].iter_mut().enumerate() {
+            *s = d * (0.5 + (u32_at(b, 6 + 8 * ib) >> 28) as f32) * 0.25;
         }
         u
+    }
+    #[inline(always)]
+    unsafe fn quants(b: *const u8, t: usize) -> __m256i {
+        // Per 32 values: four grid-row bytes, then a u32 of sign indices (and the scale).
+        let idx = _mm_cvtepu8_epi32(_mm_cvtsi32_si128(u32_at(b, 2 + 8 * t) as i32));
+        let aux = u32_at(b, 6 + 8 * t);
+        apply_signs(rows8(&IQ2XXS_GRID, idx), ksigns4(fields7(aux)))
     }
 }
 
@@ -276,23 +285,24 @@ impl Unpack for Iq2xs {
     const SUB: usize = 16;
     const MIN: bool = false;
     #[inline(always)]
-    unsafe fn unpack(b: *const u8) -> Unpacked {
-        let mut u = Unpacked::new();
+    unsafe fn scales(b: *const u8) -> Scales {
+        let mut u = Scales::new();
         iq2_scales(f16_at(b), b.add(66), &mut u.s);
-        for t in 0..8 {
-            // Four groups' u16s: a 9-bit grid row and a 7-bit sign index each.
-            let q = b.add(2 + 8 * t).cast::<u64>().read_unaligned();
-            let idx = _mm_and_si128(
-                _mm_cvtepu16_epi32(_mm_cvtsi64_si128(q as i64)),
-                _mm_set1_epi32(511),
-            );
-            // The sign indices (bits 9.. of each u16) packed into one byte each.
-            let v = (q >> 9) & 0x007F_007F_007F_007F;
-            let v = v | (v >> 8);
-            let signs = ksigns4(((v & 0xFFFF) | ((v >> 16) & 0xFFFF_0000)) as u32);
-            store(&mut u, 32 * t, apply_signs(rows8(&IQ2XS_GRID, idx), signs));
-        }
         u
+    }
+    #[inline(always)]
+    unsafe fn quants(b: *const u8, t: usize) -> __m256i {
+        // Four groups' u16s: a 9-bit grid row and a 7-bit sign index each.
+        let q = b.add(2 + 8 * t).cast::<u64>().read_unaligned();
+        let idx = _mm_and_si128(
+            _mm_cvtepu16_epi32(_mm_cvtsi64_si128(q as i64)),
+            _mm_set1_epi32(511),
+        );
+        // The sign indices (bits 9.. of each u16) packed into one byte each.
+        let v = (q >> 9) & 0x007F_007F_007F_007F;
+        let v = v | (v >> 8);
+        let signs = ksigns4(((v & 0xFFFF) | ((v >> 16) & 0xFFFF_0000)) as u32);
+        apply_signs(rows8(&IQ2XS_GRID, idx), signs)
     }
 }
 
@@ -302,20 +312,22 @@ impl Unpack for Iq2s {
     const SUB: usize = 16;
     const MIN: bool = false;
     #[inline(always)]
-    unsafe fn unpack(b: *const u8) -> Unpacked {
-        let mut u = Unpacked::new();
+    unsafe fn scales(b: *const u8) -> Scales {
+        let mut u = Scales::new();
         iq2_scales(f16_at(b), b.add(74), &mut u.s);
-        let shifts = _mm_setr_epi32(0, 2, 4, 6);
-        for t in 0..8 {
-            // Four groups: low index bytes, 2 high bits each from one qh byte, raw sign bytes.
-            let lo = _mm_cvtepu8_epi32(_mm_cvtsi32_si128(u32_at(b, 2 + 4 * t) as i32));
-            let qh = _mm_set1_epi32(i32::from(*b.add(66 + t)));
-            let hi = _mm_and_si128(_mm_srlv_epi32(qh, shifts), _mm_set1_epi32(3));
-            let idx = _mm_or_si128(lo, _mm_slli_epi32::<8>(hi));
-            let v = apply_signs(rows8(&IQ2S_GRID, idx), u32_at(b, 34 + 4 * t));
-            store(&mut u, 32 * t, v);
-        }
         u
+    }
+    #[inline(always)]
+    unsafe fn quants(b: *const u8, t: usize) -> __m256i {
+        // Four groups: low index bytes, 2 high bits each from one qh byte, raw sign bytes.
+        let lo = _mm_cvtepu8_epi32(_mm_cvtsi32_si128(u32_at(b, 2 + 4 * t) as i32));
+        let qh = _mm_set1_epi32(i32::from(*b.add(66 + t)));
+        let hi = _mm_and_si128(
+            _mm_srlv_epi32(qh, _mm_setr_epi32(0, 2, 4, 6)),
+            _mm_set1_epi32(3),
+        );
+        let idx = _mm_or_si128(lo, _mm_slli_epi32::<8>(hi));
+        apply_signs(rows8(&IQ2S_GRID, idx), u32_at(b, 34 + 4 * t))
     }
 }
 
@@ -325,17 +337,19 @@ impl Unpack for Iq3xxs {
     const SUB: usize = 32;
     const MIN: bool = false;
     #[inline(always)]
-    unsafe fn unpack(b: *const u8) -> Unpacked {
-        let mut u = Unpacked::new();
+    unsafe fn scales(b: *const u8) -> Scales {
+        let mut u = Scales::new();
         let d = f16_at(b);
-        for ib in 0..8 {
-            let aux = u32_at(b, 66 + 4 * ib);
-            u.s[ib] = d * (0.5 + (aux >> 28) as f32) * 0.5;
-            let idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(b.add(2 + 8 * ib).cast()));
-            let v = apply_signs(rows4(&IQ3XXS_GRID, idx), ksigns4(fields7(aux)));
-            store(&mut u, 32 * ib, v);
+        for (ib, s) in u.s[..8].iter_mut().enumerate() {
+            *s = d * (0.5 + (u32_at(b, 66 + 4 * ib) >> 28) as f32) * 0.5;
         }
         u
+    }
+    #[inline(always)]
+    unsafe fn quants(b: *const u8, t: usize) -> __m256i {
+        let idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(b.add(2 + 8 * t).cast()));
+        let aux = u32_at(b, 66 + 4 * t);
+        apply_signs(rows4(&IQ3XXS_GRID, idx), ksigns4(fields7(aux)))
     }
 }
 
@@ -345,24 +359,24 @@ impl Unpack for Iq3s {
     const SUB: usize = 32;
     const MIN: bool = false;
     #[inline(always)]
-    unsafe fn unpack(b: *const u8) -> Unpacked {
-        let mut u = Unpacked::new();
+    unsafe fn scales(b: *const u8) -> Scales {
+        let mut u = Scales::new();
         let d = f16_at(b);
         let sc = u32_at(b, 106);
         for (ib, s) in u.s[..8].iter_mut().enumerate() {
             *s = d * (1 + 2 * ((sc >> (4 * ib)) & 0x0F)) as f32;
         }
-        let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-        for ib in 0..8 {
-            // The 8 grid rows of 32 values: 8 index bytes, their ninth bits in one qh byte.
-            let lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(b.add(2 + 8 * ib).cast()));
-            let qh = _mm256_set1_epi32(i32::from(*b.add(66 + ib)));
-            let hi = _mm256_and_si256(_mm256_srlv_epi32(qh, lanes), _mm256_set1_epi32(1));
-            let idx = _mm256_or_si256(lo, _mm256_slli_epi32::<8>(hi));
-            let v = apply_signs(rows4(&IQ3S_GRID, idx), u32_at(b, 74 + 4 * ib));
-            store(&mut u, 32 * ib, v);
-        }
         u
+    }
+    #[inline(always)]
+    unsafe fn quants(b: *const u8, t: usize) -> __m256i {
+        // The 8 grid rows of 32 values: 8 index bytes, their ninth bits in one qh byte.
+        let lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(b.add(2 + 8 * t).cast()));
+        let qh = _mm256_set1_epi32(i32::from(*b.add(66 + t)));
+        let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        let hi = _mm256_and_si256(_mm256_srlv_epi32(qh, lanes), _mm256_set1_epi32(1));
+        let idx = _mm256_or_si256(lo, _mm256_slli_epi32::<8>(hi));
+        apply_signs(rows4(&IQ3S_GRID, idx), u32_at(b, 74 + 4 * t))
     }
 }
 
