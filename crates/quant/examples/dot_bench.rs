@@ -57,6 +57,78 @@ fn cases() -> Vec<Case> {
             cols: 2048,
         },
         Case {
+            label: "Q5_1 640x2048".into(),
+            ty: GgmlType::Q5_1,
+            rows: 640,
+            cols: 2048,
+        },
+        Case {
+            label: "Q2_K 640x2048".into(),
+            ty: GgmlType::Q2K,
+            rows: 640,
+            cols: 2048,
+        },
+        Case {
+            label: "Q3_K 640x2048".into(),
+            ty: GgmlType::Q3K,
+            rows: 640,
+            cols: 2048,
+        },
+        Case {
+            label: "Q5_K 640x2048".into(),
+            ty: GgmlType::Q5K,
+            rows: 640,
+            cols: 2048,
+        },
+        Case {
+            label: "Q8_K 640x2048".into(),
+            ty: GgmlType::Q8K,
+            rows: 640,
+            cols: 2048,
+        },
+        Case {
+            label: "IQ4_NL 640x2048".into(),
+            ty: GgmlType::IQ4NL,
+            rows: 640,
+            cols: 2048,
+        },
+        Case {
+            label: "IQ4_XS 640x2048".into(),
+            ty: GgmlType::IQ4XS,
+            rows: 640,
+            cols: 2048,
+        },
+        Case {
+            label: "IQ3_S 640x2048".into(),
+            ty: GgmlType::IQ3S,
+            rows: 640,
+            cols: 2048,
+        },
+        Case {
+            label: "IQ3_XXS 640x2048".into(),
+            ty: GgmlType::IQ3XXS,
+            rows: 640,
+            cols: 2048,
+        },
+        Case {
+            label: "IQ2_S 640x2048".into(),
+            ty: GgmlType::IQ2S,
+            rows: 640,
+            cols: 2048,
+        },
+        Case {
+            label: "IQ2_XS 640x2048".into(),
+            ty: GgmlType::IQ2XS,
+            rows: 640,
+            cols: 2048,
+        },
+        Case {
+            label: "IQ2_XXS 640x2048".into(),
+            ty: GgmlType::IQ2XXS,
+            rows: 640,
+            cols: 2048,
+        },
+        Case {
             label: "F16 640x2048".into(),
             ty: GgmlType::F16,
             rows: 640,
@@ -113,12 +185,23 @@ fn weights(ty: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
         match ty {
             F32 => b.copy_from_slice(&(rng.unit() * 0.1).to_le_bytes()),
             F16 | BF16 => put(b, 0, rng.unit() * 0.1),
-            Q4_0 | Q5_0 | Q8_0 => put(b, 0, s),
+            Q4_0 | Q5_0 | Q8_0 | IQ4NL => put(b, 0, s),
+            IQ2XXS | IQ2XS | IQ2S | IQ3XXS | IQ3S | IQ4XS => put(b, 0, s * 0.1),
             Q4_1 => {
                 put(b, 0, s);
                 put(b, 2, -8.0 * s);
             }
-            Q4K => {
+            Q5_1 => {
+                put(b, 0, s);
+                put(b, 2, -16.0 * s);
+            }
+            Q2K => {
+                put(b, 80, s * 0.1);
+                put(b, 82, s * 0.1);
+            }
+            Q3K => put(b, 108, s * 0.1),
+            Q8K => b[..4].copy_from_slice(&(s * 0.01).to_le_bytes()),
+            Q4K | Q5K => {
                 put(b, 0, s * 0.1);
                 put(b, 2, s * 0.1);
             }

@@ -4,6 +4,7 @@ use thiserror::Error;
 
 mod blocks;
 pub mod dot;
+mod grids;
 
 #[derive(Debug, Error)]
 pub enum QuantError {
@@ -40,21 +41,30 @@ pub enum GgmlType {
     Q5K,
     Q6K,
     Q8K,
+    IQ2XXS,
+    IQ2XS,
+    IQ3XXS,
+    IQ1S,
+    IQ4NL,
+    IQ3S,
+    IQ2S,
+    IQ4XS,
     I8,
     I16,
     I32,
     I64,
     F64,
+    IQ1M,
     BF16,
 }
 
 impl GgmlType {
     /// Every type, in id order.
-    pub const ALL: [GgmlType; 20] = {
+    pub const ALL: [GgmlType; 29] = {
         use GgmlType::*;
         [
-            F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1, Q2K, Q3K, Q4K, Q5K, Q6K, Q8K, I8, I16,
-            I32, I64, F64, BF16,
+            F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1, Q2K, Q3K, Q4K, Q5K, Q6K, Q8K, IQ2XXS,
+            IQ2XS, IQ3XXS, IQ1S, IQ4NL, IQ3S, IQ2S, IQ4XS, I8, I16, I32, I64, F64, IQ1M, BF16,
         ]
     };
 
@@ -76,11 +86,20 @@ impl GgmlType {
             Q5K => 13,
             Q6K => 14,
             Q8K => 15,
+            IQ2XXS => 16,
+            IQ2XS => 17,
+            IQ3XXS => 18,
+            IQ1S => 19,
+            IQ4NL => 20,
+            IQ3S => 21,
+            IQ2S => 22,
+            IQ4XS => 23,
             I8 => 24,
             I16 => 25,
             I32 => 26,
             I64 => 27,
             F64 => 28,
+            IQ1M => 29,
             BF16 => 30,
         }
     }
@@ -103,11 +122,20 @@ impl GgmlType {
             Q5K => "Q5_K",
             Q6K => "Q6_K",
             Q8K => "Q8_K",
+            IQ2XXS => "IQ2_XXS",
+            IQ2XS => "IQ2_XS",
+            IQ3XXS => "IQ3_XXS",
+            IQ1S => "IQ1_S",
+            IQ4NL => "IQ4_NL",
+            IQ3S => "IQ3_S",
+            IQ2S => "IQ2_S",
+            IQ4XS => "IQ4_XS",
             I8 => "I8",
             I16 => "I16",
             I32 => "I32",
             I64 => "I64",
             F64 => "F64",
+            IQ1M => "IQ1_M",
             BF16 => "BF16",
         }
     }
@@ -130,11 +158,20 @@ impl GgmlType {
             13 => Q5K,
             14 => Q6K,
             15 => Q8K,
+            16 => IQ2XXS,
+            17 => IQ2XS,
+            18 => IQ3XXS,
+            19 => IQ1S,
+            20 => IQ4NL,
+            21 => IQ3S,
+            22 => IQ2S,
+            23 => IQ4XS,
             24 => I8,
             25 => I16,
             26 => I32,
             27 => I64,
             28 => F64,
+            29 => IQ1M,
             30 => BF16,
             _ => return None,
         })
@@ -145,8 +182,9 @@ impl GgmlType {
         use GgmlType::*;
         match self {
             F32 | F16 | BF16 | I8 | I16 | I32 | I64 | F64 => 1,
-            Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q8_1 => 32,
-            Q2K | Q3K | Q4K | Q5K | Q6K | Q8K => 256,
+            Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q8_1 | IQ4NL => 32,
+            Q2K | Q3K | Q4K | Q5K | Q6K | Q8K | IQ2XXS | IQ2XS | IQ3XXS | IQ1S | IQ3S | IQ2S
+            | IQ4XS | IQ1M => 256,
         }
     }
 
@@ -170,6 +208,15 @@ impl GgmlType {
             Q5K => 176,
             Q6K => 210,
             Q8K => 292,
+            IQ2XXS => 66,
+            IQ2XS => 74,
+            IQ3XXS => 98,
+            IQ1S => 50,
+            IQ4NL => 18,
+            IQ3S => 110,
+            IQ2S => 82,
+            IQ4XS => 136,
+            IQ1M => 56,
         }
     }
 
@@ -183,12 +230,40 @@ impl GgmlType {
 
     /// Whether [`dequantize`] decodes this type.
     pub fn is_supported(self) -> bool {
-        use GgmlType::*;
-        matches!(
-            self,
-            F32 | F16 | BF16 | Q4_0 | Q4_1 | Q5_0 | Q8_0 | Q4K | Q6K
-        )
+        decoder(self).is_some()
     }
+}
+
+/// A block decoder: whole blocks in, exactly their values out.
+type Decoder = fn(&[u8], &mut [f32]);
+
+/// The exact block decoder of `ty`, if this crate has one.
+fn decoder(ty: GgmlType) -> Option<Decoder> {
+    use GgmlType::*;
+    Some(match ty {
+        F32 => blocks::float32,
+        F16 => blocks::float16,
+        BF16 => blocks::bfloat16,
+        Q4_0 => blocks::q4_0,
+        Q4_1 => blocks::q4_1,
+        Q5_0 => blocks::q5_0,
+        Q5_1 => blocks::q5_1,
+        Q8_0 => blocks::q8_0,
+        Q2K => blocks::q2_k,
+        Q3K => blocks::q3_k,
+        Q4K => blocks::q4_k,
+        Q5K => blocks::q5_k,
+        Q6K => blocks::q6_k,
+        Q8K => blocks::q8_k,
+        IQ2XXS => blocks::iq2_xxs,
+        IQ2XS => blocks::iq2_xs,
+        IQ2S => blocks::iq2_s,
+        IQ3XXS => blocks::iq3_xxs,
+        IQ3S => blocks::iq3_s,
+        IQ4NL => blocks::iq4_nl,
+        IQ4XS => blocks::iq4_xs,
+        Q8_1 | IQ1S | IQ1M | I8 | I16 | I32 | I64 | F64 => return None,
+    })
 }
 
 /// Decodes `src` (whole blocks of `ty`) into `out`, exactly as ggml's reference dequantizers do.
@@ -200,21 +275,7 @@ impl GgmlType {
 /// `Misaligned` when `src` is not a whole number of blocks, `OutputSize` when `out` does not hold
 /// exactly the decoded values. Never panics.
 pub fn dequantize(ty: GgmlType, src: &[u8], out: &mut [f32]) -> Result<(), QuantError> {
-    use GgmlType::*;
-    let kernel: fn(&[u8], &mut [f32]) = match ty {
-        F32 => blocks::float32,
-        F16 => blocks::float16,
-        BF16 => blocks::bfloat16,
-        Q4_0 => blocks::q4_0,
-        Q4_1 => blocks::q4_1,
-        Q5_0 => blocks::q5_0,
-        Q8_0 => blocks::q8_0,
-        Q4K => blocks::q4_k,
-        Q6K => blocks::q6_k,
-        Q5_1 | Q8_1 | Q2K | Q3K | Q5K | Q8K | I8 | I16 | I32 | I64 | F64 => {
-            return Err(QuantError::Unsupported(ty.name().to_string()))
-        }
-    };
+    let kernel = decoder(ty).ok_or_else(|| QuantError::Unsupported(ty.name().to_string()))?;
     let block = ty.block_bytes();
     if !src.len().is_multiple_of(block) {
         return Err(QuantError::Misaligned {

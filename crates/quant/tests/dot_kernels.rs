@@ -32,17 +32,36 @@ impl Rng {
     }
 }
 
-const TYPES: [GgmlType; 9] = [
+const TYPES: [GgmlType; 21] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::BF16,
     GgmlType::Q4_0,
     GgmlType::Q4_1,
     GgmlType::Q5_0,
+    GgmlType::Q5_1,
     GgmlType::Q8_0,
+    GgmlType::Q2K,
+    GgmlType::Q3K,
     GgmlType::Q4K,
+    GgmlType::Q5K,
     GgmlType::Q6K,
+    GgmlType::Q8K,
+    GgmlType::IQ2XXS,
+    GgmlType::IQ2XS,
+    GgmlType::IQ2S,
+    GgmlType::IQ3XXS,
+    GgmlType::IQ3S,
+    GgmlType::IQ4NL,
+    GgmlType::IQ4XS,
 ];
+
+#[test]
+fn every_supported_type_is_tested() {
+    for t in GgmlType::ALL {
+        assert_eq!(t.is_supported(), TYPES.contains(&t), "{}", t.name());
+    }
+}
 
 /// A block scale: mostly the ranges real models use, plus zero, subnormal and large ones.
 fn scale(rng: &mut Rng) -> f32 {
@@ -76,12 +95,30 @@ fn block(ty: GgmlType, rng: &mut Rng, out: &mut [u8]) {
         F32 => out.copy_from_slice(&weight(rng).to_le_bytes()),
         F16 => put_f16(out, weight(rng)),
         BF16 => out.copy_from_slice(&bf16::from_f32(weight(rng)).to_le_bytes()),
-        Q4_0 | Q5_0 | Q8_0 => put_f16(out, scale(rng)),
+        Q4_0 | Q5_0 | Q8_0 | IQ4NL => put_f16(out, scale(rng)),
+        IQ2XXS | IQ2XS | IQ2S | IQ3XXS | IQ3S | IQ4XS => put_f16(out, scale(rng) * 0.1),
         Q4_1 => {
             put_f16(out, scale(rng).abs());
             put_f16(&mut out[2..], -scale(rng).abs() * 8.0);
         }
-        Q4K => {
+        Q5_1 => {
+            put_f16(out, scale(rng).abs());
+            put_f16(&mut out[2..], -scale(rng).abs() * 16.0);
+        }
+        Q2K => {
+            put_f16(&mut out[80..], scale(rng).abs() * 0.1);
+            put_f16(&mut out[82..], scale(rng).abs() * 0.1);
+            if rng.below(8) == 0 {
+                out[..16].fill(0); // zero sub-block scales and mins
+            }
+        }
+        Q3K => put_f16(&mut out[108..], scale(rng) * 0.05),
+        Q8K => {
+            // An f32 scale that fp16 could not hold: d * q rounds.
+            let d = scale(rng) * 0.01 * (1.0 + rng.unit() * 1e-3);
+            out[..4].copy_from_slice(&d.to_le_bytes());
+        }
+        Q4K | Q5K => {
             put_f16(out, scale(rng).abs() * 0.1);
             put_f16(&mut out[2..], scale(rng).abs() * 0.1);
             if rng.below(8) == 0 {
@@ -316,7 +353,7 @@ fn empty_shapes() {
 #[test]
 #[should_panic(expected = "unsupported")]
 fn unsupported_type_panics() {
-    dot_rows(GgmlType::Q2K, &[0; 84], &[0.0; 256], 1, &mut [0.0]);
+    dot_rows(GgmlType::IQ1S, &[0; 50], &[0.0; 256], 1, &mut [0.0]);
 }
 
 #[test]

@@ -1,9 +1,13 @@
 //! Decodes the fixtures written by `scripts/gguf_dequant_fixture.py` (real blocks from two GGUF
-//! models plus synthetic edge cases) and requires bit-identical output to gguf-python's reference
-//! dequantization.
+//! models plus synthetic edge cases) and by `crates/quant/scripts/gguf_quant_types_fixture.py`
+//! (real blocks of the other block types, from GGUFs llama.cpp's quantizer wrote from a real
+//! model, plus synthetic edge cases), and requires bit-identical output to gguf-python's
+//! reference dequantization.
 //!
-//! `whole_tensors_match_reference_hashes` also decodes the complete tensors listed in the index
-//! straight from the real model files, fetched into the trellm cache if missing.
+//! `whole_tensors_match_reference_hashes` also decodes the complete tensors listed in the first
+//! index straight from the real model files, fetched into the trellm cache if missing;
+//! `quantized_ggufs_match_reference_hashes` does the same for the second index's GGUFs when
+//! `TRELLM_QUANT_GGUFS` names the folder `make_quant_ggufs.sh` wrote them to.
 
 use std::collections::BTreeSet;
 use std::fs::File;
@@ -61,10 +65,29 @@ fn fixture_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/gguf_dequant")
 }
 
-fn index() -> Index {
-    let path = fixture_dir().join("index.json");
+fn quant_types_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf_quant_types")
+}
+
+fn read_index(dir: &Path) -> Index {
+    let path = dir.join("index.json");
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     serde_json::from_str(&text).expect("index.json")
+}
+
+fn index() -> Index {
+    read_index(&fixture_dir())
+}
+
+/// Every sample of both fixture sets, with the folder its files are in.
+fn all_samples() -> Vec<(PathBuf, Sample)> {
+    let mut out = Vec::new();
+    for dir in [fixture_dir(), quant_types_dir()] {
+        let index = read_index(&dir);
+        assert!(!index.samples.is_empty(), "{}", dir.display());
+        out.extend(index.samples.into_iter().map(|s| (dir.clone(), s)));
+    }
+    out
 }
 
 fn ty(id: u32, name: &str) -> GgmlType {
@@ -79,10 +102,10 @@ struct Loaded {
     expected: Vec<f32>,
 }
 
-fn load(s: &Sample) -> Loaded {
+fn load(dir: &Path, s: &Sample) -> Loaded {
     let ty = ty(s.type_id, &s.type_name);
-    let raw = std::fs::read(fixture_dir().join(&s.raw)).expect("raw");
-    let bytes = std::fs::read(fixture_dir().join(&s.f32)).expect("f32");
+    let raw = std::fs::read(dir.join(&s.raw)).expect("raw");
+    let bytes = std::fs::read(dir.join(&s.f32)).expect("f32");
     let expected: Vec<f32> = bytes
         .chunks_exact(4)
         .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
@@ -122,10 +145,8 @@ fn assert_bits_eq(what: &str, got: &[f32], want: &[f32]) {
 
 #[test]
 fn fixtures_match_reference_bit_for_bit() {
-    let index = index();
-    assert!(!index.samples.is_empty());
-    for s in &index.samples {
-        let l = load(s);
+    for (dir, s) in &all_samples() {
+        let l = load(dir, s);
         let mut out = vec![f32::NAN; l.expected.len()];
         dequantize(l.ty, &l.raw, &mut out).unwrap_or_else(|e| panic!("{}: {e}", s.id));
         assert_bits_eq(&s.id, &out, &l.expected);
@@ -136,8 +157,8 @@ fn fixtures_match_reference_bit_for_bit() {
 fn unaligned_sources_decode_identically() {
     // Tensor data in an mmapped file has no alignment guarantee; shift the bytes off every
     // natural alignment.
-    for s in &index().samples {
-        let l = load(s);
+    for (dir, s) in &all_samples() {
+        let l = load(dir, s);
         for shift in 1..8 {
             let mut buf = vec![0u8; shift + l.raw.len()];
             buf[shift..].copy_from_slice(&l.raw);
@@ -150,8 +171,8 @@ fn unaligned_sources_decode_identically() {
 
 #[test]
 fn block_by_block_equals_whole() {
-    for s in &index().samples {
-        let l = load(s);
+    for (dir, s) in &all_samples() {
+        let l = load(dir, s);
         let mut out = vec![0f32; l.expected.len()];
         let (bb, bl) = (l.ty.block_bytes(), l.ty.block_len());
         for (src, dst) in l.raw.chunks(bb).zip(out.chunks_mut(bl)) {
@@ -163,24 +184,39 @@ fn block_by_block_equals_whole() {
 
 #[test]
 fn fixtures_cover_every_supported_type_and_every_model_type() {
-    let index = index();
-    let sampled: BTreeSet<&str> = index.samples.iter().map(|s| s.type_name.as_str()).collect();
+    let samples = all_samples();
+    let sampled: BTreeSet<&str> = samples.iter().map(|(_, s)| s.type_name.as_str()).collect();
     for t in GgmlType::ALL.iter().filter(|t| t.is_supported()) {
         assert!(sampled.contains(t.name()), "no fixture for {}", t.name());
     }
-    for m in &index.models {
-        for name in m.type_counts.keys() {
-            let real = index
-                .samples
-                .iter()
-                .any(|s| s.source == "model" && &s.type_name == name && s.tensor.is_some());
-            assert!(real, "{}: no real sample of {name}", m.file);
-            let t = GgmlType::ALL.iter().find(|t| t.name() == name);
-            assert!(
-                t.is_some_and(|t| t.is_supported()),
-                "{}: holds {name}, which we cannot decode",
-                m.file
-            );
+    // Real blocks of every type either model set holds, and of every type added for the
+    // quantized set (Q8_K aside: no tool writes it into a file, so its samples are synthetic).
+    let real: BTreeSet<&str> = samples
+        .iter()
+        .filter(|(_, s)| s.source == "model" && s.tensor.is_some())
+        .map(|(_, s)| s.type_name.as_str())
+        .collect();
+    use GgmlType::*;
+    for t in [
+        Q5_1, Q2K, Q3K, Q5K, IQ4NL, IQ4XS, IQ2XXS, IQ2XS, IQ2S, IQ3XXS, IQ3S,
+    ] {
+        assert!(real.contains(t.name()), "no real sample of {}", t.name());
+    }
+    for dir in [fixture_dir(), quant_types_dir()] {
+        for m in &read_index(&dir).models {
+            for name in m.type_counts.keys() {
+                assert!(
+                    real.contains(name.as_str()),
+                    "{}: no real sample of {name}",
+                    m.file
+                );
+                let t = GgmlType::ALL.iter().find(|t| t.name() == name);
+                assert!(
+                    t.is_some_and(|t| t.is_supported()),
+                    "{}: holds {name}, which we cannot decode",
+                    m.file
+                );
+            }
         }
     }
 }
@@ -239,11 +275,26 @@ fn tensor_sha256(path: &Path, t: &Tensor, ty: GgmlType) -> String {
 
 #[test]
 fn whole_tensors_match_reference_hashes() {
-    let index = index();
+    check_whole_tensors(&index(), model_file);
+}
+
+/// The second fixture set's whole tensors, from the GGUFs in `$TRELLM_QUANT_GGUFS` (written by
+/// `make_quant_ggufs.sh`; too big to commit, and building llama.cpp to make them is not a test's
+/// job, so without the variable this only says so).
+#[test]
+fn quantized_ggufs_match_reference_hashes() {
+    let Some(dir) = std::env::var_os("TRELLM_QUANT_GGUFS") else {
+        eprintln!("TRELLM_QUANT_GGUFS is not set: whole quantized tensors not checked");
+        return;
+    };
+    check_whole_tensors(&read_index(&quant_types_dir()), |f| Path::new(&dir).join(f));
+}
+
+fn check_whole_tensors(index: &Index, file: impl Fn(&str) -> PathBuf) {
     assert!(!index.tensors.is_empty());
     let mut checked = 0;
     for m in &index.models {
-        let path = model_file(&m.file);
+        let path = file(&m.file);
         assert_eq!(file_sha256(&path).unwrap(), m.sha256, "{}", path.display());
         for t in index.tensors.iter().filter(|t| t.model == m.file) {
             assert_eq!(t.model_sha256, m.sha256);

@@ -4,9 +4,11 @@
 //! Numerics: every weight is decoded exactly, to the value [`super::dequantize`] gives (up to the
 //! sign of a zero weight): the SIMD paths either convert the integer quants and scale them, or
 //! look them up in a per-block table of `scale * q + offset` whose entries are computed with the
-//! same single rounding as the reference. Products and sums are f32, in a different order than a
-//! plain sequential dot (several lanes and accumulators; Q8_0 with one activation row scales each
-//! block's partial sum instead of each weight), so results match an exact dot to f32 rounding:
+//! same single rounding as the reference. The bit-packed and grid formats (Q2_K, Q3_K, Q5_K and
+//! the 2- and 3-bit i-quants) are first unpacked per block into signed bytes and sub-block scales
+//! (`unpack`). Products and sums are f32, in a different order than a plain sequential dot
+//! (several lanes and accumulators; Q8_0 and Q8_K with one activation row scale each block's or
+//! chunk's partial sum instead of each weight), so results match an exact dot to f32 rounding:
 //! below 1e-6 of `Σ|w·x|` in the tests, for rows of up to a few thousand values.
 //!
 //! Paths: AVX-512 (F/BW/VL, with FMA and F16C), AVX2 (with FMA and F16C), and a portable scalar
@@ -15,13 +17,15 @@
 
 use std::sync::OnceLock;
 
-use super::{blocks, GgmlType};
+use super::GgmlType;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 mod scalar;
+#[cfg(target_arch = "x86_64")]
+mod unpack;
 
 /// An instruction-set level the kernels are compiled for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -242,19 +246,7 @@ fn schedule(
 
 /// The per-type block decoder of the reference path.
 fn decoder(ty: GgmlType) -> fn(&[u8], &mut [f32]) {
-    use GgmlType::*;
-    match ty {
-        F32 => blocks::float32,
-        F16 => blocks::float16,
-        BF16 => blocks::bfloat16,
-        Q4_0 => blocks::q4_0,
-        Q4_1 => blocks::q4_1,
-        Q5_0 => blocks::q5_0,
-        Q8_0 => blocks::q8_0,
-        Q4K => blocks::q4_k,
-        Q6K => blocks::q6_k,
-        _ => unreachable!("checked by is_supported"),
-    }
+    super::decoder(ty).expect("checked by is_supported")
 }
 
 /// The SIMD paths cover float rows (block length 1) in whole vectors only; this adds the last

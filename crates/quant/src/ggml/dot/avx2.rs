@@ -7,7 +7,9 @@
 
 use core::arch::x86_64::*;
 
+use super::unpack::{self, Unpack, Unpacked};
 use super::{f16_fields, k4_scales_mins, Shape};
+use crate::ggml::grids::KVALUES_IQ4NL;
 use crate::ggml::GgmlType;
 
 /// One block format, decoded 16 columns (two vectors) at a time; see the AVX-512 `Fmt`.
@@ -302,6 +304,172 @@ impl Fmt for Q6k {
     }
 }
 
+struct Q51;
+impl Fmt for Q51 {
+    const BL: usize = 32;
+    const BB: usize = 24;
+    const CH: usize = 2;
+    const H: usize = 2;
+    /// d, m, and the 32 fifth bits in every lane.
+    type Prep = (__m256, __m256, __m256i);
+    #[inline(always)]
+    unsafe fn prep(b: *const u8, s: *const f32) -> Self::Prep {
+        let qh = b.add(4).cast::<i32>().read_unaligned();
+        (
+            _mm256_set1_ps(*s),
+            _mm256_set1_ps(*s.add(1)),
+            _mm256_set1_epi32(qh),
+        )
+    }
+    #[inline(always)]
+    unsafe fn chunk(b: *const u8, p: &Self::Prep, c: usize) -> [__m256; 2] {
+        let (d, m, qh) = *p;
+        let q = u8x8(b.add(8 + 8 * c));
+        // Fifth bit of column j moved to bit 4 of lane j; q * d is exact, so the fma rounds once
+        // like the reference's q * d + m.
+        let j = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        let j = _mm256_add_epi32(j, _mm256_set1_epi32(8 * c as i32));
+        let b16 = _mm256_set1_epi32(0x10);
+        let h_lo = _mm256_and_si256(_mm256_slli_epi32::<4>(_mm256_srlv_epi32(qh, j)), b16);
+        let j = _mm256_add_epi32(j, _mm256_set1_epi32(16));
+        let h_hi = _mm256_and_si256(_mm256_slli_epi32::<4>(_mm256_srlv_epi32(qh, j)), b16);
+        let lo = _mm256_or_si256(_mm256_and_si256(q, _mm256_set1_epi32(0x0F)), h_lo);
+        let hi = _mm256_or_si256(_mm256_srli_epi32::<4>(q), h_hi);
+        [
+            _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), d, m),
+            _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), d, m),
+        ]
+    }
+    #[inline(always)]
+    fn off(c: usize, k: usize) -> usize {
+        q4_off(c, k)
+    }
+}
+
+/// The IQ4 values of the nibbles in the low 8 bytes of `n` (each below 16), as f32.
+#[inline(always)]
+unsafe fn iq4x8(n: __m128i) -> __m256 {
+    let kv = _mm_loadu_si128(KVALUES_IQ4NL.as_ptr().cast());
+    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_shuffle_epi8(kv, n)))
+}
+
+struct Iq4nl;
+impl Fmt for Iq4nl {
+    const BL: usize = 32;
+    const BB: usize = 18;
+    const CH: usize = 2;
+    const H: usize = 1;
+    type Prep = __m256;
+    #[inline(always)]
+    unsafe fn prep(_b: *const u8, s: *const f32) -> __m256 {
+        _mm256_set1_ps(*s)
+    }
+    #[inline(always)]
+    unsafe fn chunk(b: *const u8, d: &__m256, c: usize) -> [__m256; 2] {
+        // d * value is exact (11 + 7 significant bits), as in the reference.
+        let q = _mm_loadl_epi64(b.add(2 + 8 * c).cast());
+        let m4 = _mm_set1_epi8(0x0F);
+        let lo = iq4x8(_mm_and_si128(q, m4));
+        let hi = iq4x8(_mm_and_si128(_mm_srli_epi16::<4>(q), m4));
+        [_mm256_mul_ps(lo, *d), _mm256_mul_ps(hi, *d)]
+    }
+    #[inline(always)]
+    fn off(c: usize, k: usize) -> usize {
+        q4_off(c, k)
+    }
+}
+
+struct Iq4xs;
+impl Fmt for Iq4xs {
+    const BL: usize = 256;
+    const BB: usize = 136;
+    const CH: usize = 16;
+    /// The exact sub-block scales `d * (ls - 32)`.
+    type Prep = [f32; 8];
+    #[inline(always)]
+    unsafe fn prep(b: *const u8, _s: *const f32) -> [f32; 8] {
+        let d = f16_scalar(b);
+        let sh = u32::from(b.add(2).cast::<u16>().read_unaligned());
+        let sl = b.add(4).cast::<u32>().read_unaligned();
+        let mut out = [0f32; 8];
+        for (ib, o) in out.iter_mut().enumerate() {
+            let ls = ((sl >> (4 * ib)) & 0x0F) | (((sh >> (2 * ib)) & 3) << 4);
+            *o = d * (ls as i32 - 32) as f32;
+        }
+        out
+    }
+    #[inline(always)]
+    unsafe fn chunk(b: *const u8, dl: &[f32; 8], c: usize) -> [__m256; 2] {
+        // Chunk c: the low (c even) or high (c odd) nibbles of sub-block c / 2's 16 bytes.
+        let q = _mm_loadu_si128(b.add(8 + 16 * (c / 2)).cast());
+        let q = if c % 2 == 1 {
+            _mm_srli_epi16::<4>(q)
+        } else {
+            q
+        };
+        let n = _mm_and_si128(q, _mm_set1_epi8(0x0F));
+        let s = _mm256_set1_ps(dl[c / 2]);
+        [
+            _mm256_mul_ps(iq4x8(n), s),
+            _mm256_mul_ps(iq4x8(_mm_srli_si128::<8>(n)), s),
+        ]
+    }
+}
+
+struct Q8k;
+impl Fmt for Q8k {
+    const BL: usize = 256;
+    const BB: usize = 292;
+    const CH: usize = 16;
+    type Prep = __m256;
+    #[inline(always)]
+    unsafe fn prep(b: *const u8, _s: *const f32) -> __m256 {
+        _mm256_set1_ps(b.cast::<f32>().read_unaligned())
+    }
+    #[inline(always)]
+    unsafe fn chunk(b: *const u8, d: &__m256, c: usize) -> [__m256; 2] {
+        let [q0, q1] = Self::raw(b, d, c);
+        [_mm256_mul_ps(q0, *d), _mm256_mul_ps(q1, *d)]
+    }
+    const DEFER: bool = true;
+    #[inline(always)]
+    unsafe fn raw(b: *const u8, _d: &__m256, c: usize) -> [__m256; 2] {
+        let q = b.add(4 + 16 * c);
+        [i8x8_f32(q), i8x8_f32(q.add(8))]
+    }
+    #[inline(always)]
+    unsafe fn scale(d: &__m256, _c: usize) -> __m256 {
+        *d
+    }
+}
+
+/// A format unpacked per block by `unpack` (see there); chunk c is values 16c..16c + 16, under
+/// one scale.
+struct Unp<U>(core::marker::PhantomData<U>);
+impl<U: Unpack> Fmt for Unp<U> {
+    const BL: usize = 256;
+    const BB: usize = U::BB;
+    const CH: usize = 16;
+    type Prep = Unpacked;
+    #[inline(always)]
+    unsafe fn prep(b: *const u8, _s: *const f32) -> Unpacked {
+        U::unpack(b)
+    }
+    #[inline(always)]
+    unsafe fn chunk(_b: *const u8, u: &Unpacked, c: usize) -> [__m256; 2] {
+        let q = u.q.as_ptr().cast::<u8>().add(16 * c);
+        let j = 16 * c / U::SUB;
+        let s = _mm256_set1_ps(u.sc.s[j]);
+        let w = [i8x8_f32(q), i8x8_f32(q.add(8))];
+        if U::MIN {
+            let m = _mm256_set1_ps(u.sc.m[j]);
+            [_mm256_fmadd_ps(w[0], s, m), _mm256_fmadd_ps(w[1], s, m)]
+        } else {
+            [_mm256_mul_ps(w[0], s), _mm256_mul_ps(w[1], s)]
+        }
+    }
+}
+
 struct Flt32;
 impl Fmt for Flt32 {
     const BL: usize = 16;
@@ -504,6 +672,18 @@ pub(super) unsafe fn run(s: &Shape, w: *const u8, x: *const f32, out: *mut f32) 
         Q8_0 => run_fmt::<Q80>(s, w, x, out),
         Q4K => run_fmt::<Q4k>(s, w, x, out),
         Q6K => run_fmt::<Q6k>(s, w, x, out),
+        Q5_1 => run_fmt::<Q51>(s, w, x, out),
+        Q2K => run_fmt::<Unp<unpack::Q2k>>(s, w, x, out),
+        Q3K => run_fmt::<Unp<unpack::Q3k>>(s, w, x, out),
+        Q5K => run_fmt::<Unp<unpack::Q5k>>(s, w, x, out),
+        Q8K => run_fmt::<Q8k>(s, w, x, out),
+        IQ2XXS => run_fmt::<Unp<unpack::Iq2xxs>>(s, w, x, out),
+        IQ2XS => run_fmt::<Unp<unpack::Iq2xs>>(s, w, x, out),
+        IQ2S => run_fmt::<Unp<unpack::Iq2s>>(s, w, x, out),
+        IQ3XXS => run_fmt::<Unp<unpack::Iq3xxs>>(s, w, x, out),
+        IQ3S => run_fmt::<Unp<unpack::Iq3s>>(s, w, x, out),
+        IQ4NL => run_fmt::<Iq4nl>(s, w, x, out),
+        IQ4XS => run_fmt::<Iq4xs>(s, w, x, out),
         _ => unreachable!("checked by is_supported"),
     }
 }

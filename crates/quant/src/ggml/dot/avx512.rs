@@ -6,7 +6,9 @@
 
 use core::arch::x86_64::*;
 
+use super::unpack::{self, Scales, Unpack, Unpacked};
 use super::{f16_fields, k4_scales_mins, Shape};
+use crate::ggml::grids::KVALUES_IQ4NL;
 use crate::ggml::GgmlType;
 
 /// One block format, decoded 32 columns (two vectors) at a time.
@@ -287,6 +289,182 @@ impl Fmt for Q6k {
     }
 }
 
+struct Q51;
+impl Fmt for Q51 {
+    const BL: usize = 32;
+    const BB: usize = 24;
+    const CH: usize = 1;
+    const H: usize = 2;
+    /// The 32-entry table (q = 0..16, then 16..32) and the 32 fifth bits.
+    type Prep = (__m512, __m512, u32);
+    #[inline(always)]
+    unsafe fn prep(b: *const u8, s: *const f32) -> Self::Prep {
+        // q * d is exact, so each fma rounds once, like the reference's q * d + m.
+        let (d, m) = (_mm512_set1_ps(*s), _mm512_set1_ps(*s.add(1)));
+        let hi = _mm512_add_ps(iota(), _mm512_set1_ps(16.0));
+        (
+            _mm512_fmadd_ps(iota(), d, m),
+            _mm512_fmadd_ps(hi, d, m),
+            b.add(4).cast::<u32>().read_unaligned(),
+        )
+    }
+    #[inline(always)]
+    unsafe fn chunk(b: *const u8, p: &Self::Prep, _c: usize) -> [__m512; 2] {
+        let (lo, hi, qh) = *p;
+        // The fifth bit goes to index bit 4, which picks the upper table (`vpermt2ps` reads the
+        // low 5 bits of each index, so the low nibble's lane is masked first).
+        let q = u8x16(b.add(8));
+        let sixteen = _mm512_set1_epi32(16);
+        let ql = _mm512_and_si512(q, _mm512_set1_epi32(0x0F));
+        let i0 = _mm512_mask_or_epi32(ql, qh as u16, ql, sixteen);
+        let q4 = _mm512_srli_epi32::<4>(q);
+        let i1 = _mm512_mask_or_epi32(q4, (qh >> 16) as u16, q4, sixteen);
+        [
+            _mm512_permutex2var_ps(lo, i0, hi),
+            _mm512_permutex2var_ps(lo, i1, hi),
+        ]
+    }
+}
+
+/// The 16 IQ4 values as f32.
+#[inline(always)]
+unsafe fn kvalues() -> __m512 {
+    i8x16_f32(KVALUES_IQ4NL.as_ptr().cast())
+}
+
+struct Iq4nl;
+impl Fmt for Iq4nl {
+    const BL: usize = 32;
+    const BB: usize = 18;
+    const CH: usize = 1;
+    const H: usize = 1;
+    type Prep = __m512;
+    #[inline(always)]
+    unsafe fn prep(_b: *const u8, s: *const f32) -> __m512 {
+        // d * value is exact (11 + 7 significant bits), as in the reference.
+        _mm512_mul_ps(kvalues(), _mm512_set1_ps(*s))
+    }
+    #[inline(always)]
+    unsafe fn chunk(b: *const u8, t: &__m512, _c: usize) -> [__m512; 2] {
+        let q = u8x16(b.add(2));
+        [lut(q, *t), lut(_mm512_srli_epi32::<4>(q), *t)]
+    }
+}
+
+struct Iq4xs;
+impl Fmt for Iq4xs {
+    const BL: usize = 256;
+    const BB: usize = 136;
+    const CH: usize = 8;
+    /// The exact sub-block scales `d * (ls - 32)`.
+    type Prep = [f32; 8];
+    #[inline(always)]
+    unsafe fn prep(b: *const u8, _s: *const f32) -> [f32; 8] {
+        let d = f16_scalar(b);
+        let sh = u32::from(b.add(2).cast::<u16>().read_unaligned());
+        let sl = b.add(4).cast::<u32>().read_unaligned();
+        let mut out = [0f32; 8];
+        for (ib, o) in out.iter_mut().enumerate() {
+            let ls = ((sl >> (4 * ib)) & 0x0F) | (((sh >> (2 * ib)) & 3) << 4);
+            *o = d * (ls as i32 - 32) as f32;
+        }
+        out
+    }
+    #[inline(always)]
+    unsafe fn chunk(b: *const u8, dl: &[f32; 8], c: usize) -> [__m512; 2] {
+        // Chunk c is sub-block c; dl * value is exact, as in the reference.
+        let t = _mm512_mul_ps(kvalues(), _mm512_set1_ps(dl[c]));
+        let q = u8x16(b.add(8 + 16 * c));
+        [lut(q, t), lut(_mm512_srli_epi32::<4>(q), t)]
+    }
+}
+
+struct Q8k;
+impl Fmt for Q8k {
+    const BL: usize = 256;
+    const BB: usize = 292;
+    const CH: usize = 8;
+    type Prep = __m512;
+    #[inline(always)]
+    unsafe fn prep(b: *const u8, _s: *const f32) -> __m512 {
+        _mm512_set1_ps(b.cast::<f32>().read_unaligned())
+    }
+    #[inline(always)]
+    unsafe fn chunk(b: *const u8, d: &__m512, c: usize) -> [__m512; 2] {
+        let [q0, q1] = Self::raw(b, d, c);
+        [_mm512_mul_ps(q0, *d), _mm512_mul_ps(q1, *d)]
+    }
+    const DEFER: bool = true;
+    #[inline(always)]
+    unsafe fn raw(b: *const u8, _d: &__m512, c: usize) -> [__m512; 2] {
+        let q = b.add(4 + 32 * c);
+        [i8x16_f32(q), i8x16_f32(q.add(16))]
+    }
+    #[inline(always)]
+    unsafe fn scale(d: &__m512, _c: usize) -> __m512 {
+        *d
+    }
+}
+
+/// The exact weights of 32 signed quants under their sub-block scales (values `32 c..`).
+#[inline(always)]
+unsafe fn scaled<U: Unpack>(q: [__m512; 2], sc: &Scales, c: usize) -> [__m512; 2] {
+    let mut w = q;
+    for (k, w) in w.iter_mut().enumerate() {
+        let j = (32 * c + 16 * k) / U::SUB;
+        let s = _mm512_set1_ps(sc.s[j]);
+        *w = if U::MIN {
+            _mm512_fmadd_ps(*w, s, _mm512_set1_ps(sc.m[j]))
+        } else {
+            _mm512_mul_ps(*w, s)
+        };
+    }
+    w
+}
+
+/// A format of `unpack`, unpacked whole per block; chunk c is values 32c..32c + 32.
+struct Unp<U>(core::marker::PhantomData<U>);
+impl<U: Unpack> Fmt for Unp<U> {
+    const BL: usize = 256;
+    const BB: usize = U::BB;
+    const CH: usize = 8;
+    type Prep = Unpacked;
+    #[inline(always)]
+    unsafe fn prep(b: *const u8, _s: *const f32) -> Unpacked {
+        U::unpack(b)
+    }
+    #[inline(always)]
+    unsafe fn chunk(_b: *const u8, u: &Unpacked, c: usize) -> [__m512; 2] {
+        let q = u.q.as_ptr().cast::<u8>().add(32 * c);
+        scaled::<U>([i8x16_f32(q), i8x16_f32(q.add(16))], &u.sc, c)
+    }
+}
+
+/// The same formats decoded chunk by chunk straight from the block, only the scales prepared
+/// per block: faster for the formats whose quants come from one grid gather per 32 values and
+/// whose per-block unpacking would otherwise be stored and reloaded.
+struct Direct<U>(core::marker::PhantomData<U>);
+impl<U: Unpack> Fmt for Direct<U> {
+    const BL: usize = 256;
+    const BB: usize = U::BB;
+    const CH: usize = 8;
+    type Prep = Scales;
+    #[inline(always)]
+    unsafe fn prep(b: *const u8, _s: *const f32) -> Scales {
+        U::scales(b)
+    }
+    #[inline(always)]
+    unsafe fn chunk(b: *const u8, sc: &Scales, c: usize) -> [__m512; 2] {
+        let q = U::quants(b, c);
+        let f = |v: __m128i| _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
+        let q = [
+            f(_mm256_castsi256_si128(q)),
+            f(_mm256_extracti128_si256::<1>(q)),
+        ];
+        scaled::<U>(q, sc, c)
+    }
+}
+
 struct Flt32;
 impl Fmt for Flt32 {
     const BL: usize = 32;
@@ -500,6 +678,18 @@ pub(super) unsafe fn run(s: &Shape, w: *const u8, x: *const f32, out: *mut f32) 
         Q8_0 => run_fmt::<Q80>(s, w, x, out),
         Q4K => run_fmt::<Q4k>(s, w, x, out),
         Q6K => run_fmt::<Q6k>(s, w, x, out),
+        Q5_1 => run_fmt::<Q51>(s, w, x, out),
+        Q2K => run_fmt::<Unp<unpack::Q2k>>(s, w, x, out),
+        Q3K => run_fmt::<Unp<unpack::Q3k>>(s, w, x, out),
+        Q5K => run_fmt::<Unp<unpack::Q5k>>(s, w, x, out),
+        Q8K => run_fmt::<Q8k>(s, w, x, out),
+        IQ2XXS => run_fmt::<Direct<unpack::Iq2xxs>>(s, w, x, out),
+        IQ2XS => run_fmt::<Direct<unpack::Iq2xs>>(s, w, x, out),
+        IQ2S => run_fmt::<Unp<unpack::Iq2s>>(s, w, x, out),
+        IQ3XXS => run_fmt::<Direct<unpack::Iq3xxs>>(s, w, x, out),
+        IQ3S => run_fmt::<Unp<unpack::Iq3s>>(s, w, x, out),
+        IQ4NL => run_fmt::<Iq4nl>(s, w, x, out),
+        IQ4XS => run_fmt::<Iq4xs>(s, w, x, out),
         _ => unreachable!("checked by is_supported"),
     }
 }
