@@ -125,9 +125,9 @@ fn unknown_architecture() {
 
 #[test]
 fn unsupported_tensor_type() {
-    // A llama GGUF whose q projection is Q5_1 (type 7), which trellm does not decode.
+    // A llama GGUF whose q projection is IQ1_S (type 19), which trellm does not decode.
     let d = tmp();
-    let p = d.path().join("q51.gguf");
+    let p = d.path().join("iq1s.gguf");
     let (h, vocab) = (32u64, 8u64);
     let mut w = GgufWriter::new()
         .str("general.architecture", "llama")
@@ -154,8 +154,8 @@ fn unsupported_tensor_type() {
     w = w.tensor(
         "blk.0.attn_q.weight",
         &[h, h],
-        7,
-        vec![0u8; (h * h / 32 * 24) as usize],
+        19,
+        vec![0u8; (h * h / 256 * 50) as usize],
     );
     w.write(&p);
     assert_clean_error(
@@ -166,7 +166,7 @@ fn unsupported_tensor_type() {
             "--prompt-ids",
             "1,2",
         ],
-        "Q5_1",
+        "IQ1",
     );
 }
 
