@@ -433,6 +433,8 @@ const DECODE_BLOCKS: usize = 256;
 const QKV_PAIRS: usize = 2;
 /// Rows per block of the residual GEMV (`RES_ROWS` in gemv.cu).
 const RES_ROWS: usize = 4;
+/// Integer buckets of one deferred-norm sum of squares (`SS_BUCKETS` in gemv.cu).
+const SS_BUCKETS: usize = 16;
 /// Stacked query rows per flash-attention block (`FA_ROWS` in attention.cu).
 const FLASH_ROWS: usize = 64;
 /// Query rows per attention block (`ATT_ROWS` in attention.cu).
@@ -577,9 +579,9 @@ struct Buffers {
     probs: CudaSlice<u16>,
     /// The residual GEMVs' last-block counters (o, down).
     res_counters: CudaSlice<i32>,
-    /// Decode's deferred-norm sums of squares: layer l's o GEMV fills slot 2l, its down GEMV
-    /// slot 2l + 1 (see gemv_res).
-    ss: CudaSlice<f32>,
+    /// Decode's deferred-norm sums of squares, `SS_BUCKETS` integer buckets a slot: layer l's o
+    /// GEMV fills slot 2l, its down GEMV slot 2l + 1 (see gemv_res and ss_add in gemv.cu).
+    ss: CudaSlice<u64>,
 }
 
 /// A model on the GPU with its KV cache (one sequence).
@@ -696,7 +698,7 @@ impl DenseModel {
             scores: gpu.alloc(score_elems)?,
             probs: gpu.alloc(score_elems)?,
             res_counters: gpu.alloc(2)?,
-            ss: gpu.alloc(2 * cfg.n_layers())?,
+            ss: gpu.alloc(2 * cfg.n_layers() * SS_BUCKETS)?,
         };
         let rope_tables = cfg
             .layers
@@ -1099,7 +1101,7 @@ impl DenseModel {
         let gemm_attn = m > 1 && self.attn_gemm;
         // Deferred norms (decode): the sum of squares the next GEMV scales by (0: xn is final).
         let epi = m == 1 && self.res_epi();
-        let ss_slot = |i: usize| g.ptr(&b.ss) + 4 * i as u64;
+        let ss_slot = |i: usize| g.ptr(&b.ss) + (8 * SS_BUCKETS * i) as u64;
         let mut pending_ss = 0u64;
         for (l, (lw, spec)) in self.w.layers.iter().zip(&c.layers).enumerate() {
             let rope = spec.rope.as_ref();

@@ -80,6 +80,37 @@ fn generate_runs_on_the_gpu_engine() {
     }
 }
 
+/// The same batch twice through the CUDA backend gives bit-identical logits at every step (the
+/// prefill's and 24 greedy decode steps'), on the tiny llama fixture.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --ignored on the GPU machine"]
+fn cuda_steps_are_bit_identical_run_to_run() {
+    use trellm::backend::SoloSequence;
+    use trellm_model::Want;
+    let m = trellm::model::load::load(&fixtures().join("llama")).unwrap();
+    let gpu_model = cuda::CudaModel::new(&m.model, 64).unwrap();
+    let vocab = m.model.cfg.vocab as u32;
+    let prompt: Vec<u32> = (0..11u32).map(|i| (i * 37 + 3) % vocab).collect();
+    let run = || {
+        let mut s = SoloSequence::new(&gpu_model, 64).unwrap();
+        let mut logits = s.forward(&prompt, Want::Last).unwrap();
+        let mut all = vec![logits.iter().map(|v| v.to_bits()).collect::<Vec<_>>()];
+        for _ in 0..24 {
+            let next = trellm::engine::sampler::argmax(&logits);
+            logits = s.forward(&[next], Want::Last).unwrap();
+            all.push(logits.iter().map(|v| v.to_bits()).collect());
+        }
+        all
+    };
+    let (a, b) = (run(), run());
+    for (step, (x, y)) in a.iter().zip(&b).enumerate() {
+        assert!(
+            x == y,
+            "step {step}: logits differ between two identical runs"
+        );
+    }
+}
+
 /// Without a usable GPU, `--device cuda` is a one-line error and a non-zero exit.
 #[test]
 fn device_cuda_without_a_gpu_is_a_clean_error() {

@@ -94,19 +94,45 @@ __device__ __forceinline__ void block_dot(const bf16* __restrict__ W, const long
 }
 
 // Deferred RMSNorm (decode): the input x holds bf16(w * v) of the residual stream v, and `ss` the
-// sum of squares of v (accumulated by the producing gemv_res); the dot product times
-// 1/sqrt(ss/n + eps) is the dot with the normalized input. Null `ss`: no scale. Block 0 also
-// zeroes `zero`, the sum the next gemv_res accumulates (that kernel starts after this one ends).
-__device__ __forceinline__ float norm_scale(const float* ss, float inv_n, float eps, float* zero) {
-    if (zero && blockIdx.x == 0) *zero = 0.0f;
-    return ss ? 1.0f / sqrtf(*ss * inv_n + eps) : 1.0f;
+// sum of squares of v (accumulated by the producing gemv_res as an exact integer sum, see ss_add);
+// the dot product times 1/sqrt(ss/n + eps) is the dot with the normalized input. Null `ss`: no
+// scale. Block 0 also zeroes `zero`, the sum the next gemv_res accumulates (that kernel starts
+// after this one ends).
+//
+// A float atomicAdd of the blocks' partial sums rounds in whatever order the blocks finish, so
+// the same request gave different logits run to run. Instead each partial (>= 0) goes into
+// SS_BUCKETS integer buckets by its exponent: bucket e >> 4 gets the 24-bit mantissa shifted left
+// by e & 15 (at most 2^39 per add, so 2^14 blocks cannot overflow). Integer adds commute, so the
+// buckets end the same whatever the order, and the total is read back in one fixed order.
+#define SS_BUCKETS 16
+__device__ __forceinline__ void ss_add(unsigned long long* ss, float v) {
+    const unsigned bits = __float_as_uint(v);
+    unsigned e = (bits >> 23) & 0xff;
+    unsigned long long m = bits & 0x7fffff;
+    if (e) m |= 0x800000; else e = 1;  // subnormals: m * 2^(1 - 150)
+    atomicAdd(ss + (e >> 4), m << (e & 15));
+}
+// The value of the buckets: bucket b holds an integer count of 2^(16 b - 150).
+__device__ __forceinline__ float ss_total(const unsigned long long* ss) {
+    double t = 0.0;
+#pragma unroll
+    for (int b = SS_BUCKETS - 1; b >= 0; b--) t += ldexp((double)__ldcg(ss + b), 16 * b - 150);
+    return (float)t;
+}
+__device__ __forceinline__ float norm_scale(const unsigned long long* ss, float inv_n, float eps,
+                                            unsigned long long* zero) {
+    if (zero && blockIdx.x == 0)
+#pragma unroll
+        for (int b = 0; b < SS_BUCKETS; b++) zero[b] = 0ull;
+    return ss ? 1.0f / sqrtf(ss_total(ss) * inv_n + eps) : 1.0f;
 }
 
 // y[n] (f32) = W[n, k] x.  Two rows per block. (Fewer blocks striding over the rows, to avoid a
 // partial last wave, were slower for this and gemv_glu: H200 run 9.)
 extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
 gemv_f32(const bf16* __restrict__ W, int n, int k, const bf16* __restrict__ x, float* __restrict__ y,
-         const float* __restrict__ ss, float inv_n, float eps, float* __restrict__ zero) {
+         const unsigned long long* __restrict__ ss, float inv_n, float eps,
+         unsigned long long* __restrict__ zero) {
     const int row = blockIdx.x * 2;
     long long off[2] = {(long long)row * k, (long long)min(row + 1, n - 1) * k};
     float acc[2];
@@ -123,7 +149,8 @@ gemv_f32(const bf16* __restrict__ W, int n, int k, const bf16* __restrict__ x, f
 extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
 gemv_glu(const bf16* __restrict__ W, int ff, int k, const bf16* __restrict__ x,
          const float* __restrict__ bias, int act, bf16* __restrict__ out,
-         const float* __restrict__ ss, float inv_n, float eps, float* __restrict__ zero) {
+         const unsigned long long* __restrict__ ss, float inv_n, float eps,
+         unsigned long long* __restrict__ zero) {
     const int i = blockIdx.x;
     long long off[2] = {(long long)i * k, (long long)(ff + i) * k};
     float acc[2];
@@ -140,7 +167,8 @@ gemv_glu(const bf16* __restrict__ W, int ff, int k, const bf16* __restrict__ x,
 extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
 gemv_act(const bf16* __restrict__ W, int n, int k, const bf16* __restrict__ x,
          const float* __restrict__ bias, int act, bf16* __restrict__ out,
-         const float* __restrict__ ss, float inv_n, float eps, float* __restrict__ zero) {
+         const unsigned long long* __restrict__ ss, float inv_n, float eps,
+         unsigned long long* __restrict__ zero) {
     const int row = blockIdx.x * 2;
     long long off[2] = {(long long)row * k, (long long)min(row + 1, n - 1) * k};
     float acc[2];
@@ -165,8 +193,9 @@ gemv_qkv_rope(const bf16* __restrict__ W, int k, const bf16* __restrict__ x,
               const float* __restrict__ bias, const int* __restrict__ pos, int n_heads, int n_kv,
               int hd, const float* __restrict__ inv_freq, int rot, int interleaved,
               float pos_scale, float in_scale, float q_scale, float* __restrict__ q_out,
-              bf16* __restrict__ k_cache, bf16* __restrict__ v_cache, const float* __restrict__ ss,
-              float inv_n, float eps, float* __restrict__ zero) {
+              bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
+              const unsigned long long* __restrict__ ss, float inv_n, float eps,
+              unsigned long long* __restrict__ zero) {
     const int half_hd = hd >> 1;
     const int n_pairs = (n_heads + 2 * n_kv) * half_hd;
     const int half = inv_freq ? rot / 2 : 0;
@@ -279,15 +308,16 @@ gemv_residual(const bf16* __restrict__ W, int n, int k, const bf16* __restrict__
 // A projection that feeds the residual stream (decode, no bias, no post-norm), with the residual
 // add in its epilogue and no serial tail: each block owns RES_ROWS rows, x[row] += rscale *
 // (W xin)[row] (f32), writes xz[row] = bf16(nw[row] * x[row]) (a copy without nw) and adds its
-// rows' squares into *ss; the next GEMV scales its dot products by 1/sqrt(*ss / n + eps)
-// (norm_scale), which finishes the RMSNorm. *ss is zeroed by the GEMV before this one. Four rows
+// rows' squares into the buckets at ss (ss_add); the next GEMV scales its dot products by
+// 1/sqrt(ss / n + eps) (norm_scale), which finishes the RMSNorm. The buckets are zeroed by the
+// GEMV before this one. Four rows
 // a block, one vector a row in flight and at most 40 registers keep a 4096-row matrix in one
 // wave of resident blocks (with two rows a block, 2048 blocks took 1.3 waves).
 #define RES_ROWS 4
 extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_BLOCKS_PER_SM)
 gemv_res(const bf16* __restrict__ W, int n, int k, const bf16* __restrict__ xin,
          float* __restrict__ x, float rscale, const float* __restrict__ nw, bf16* __restrict__ xz,
-         float* __restrict__ ss) {
+         unsigned long long* __restrict__ ss) {
     const int row = blockIdx.x * RES_ROWS;
     long long off[RES_ROWS];
 #pragma unroll
@@ -306,6 +336,6 @@ gemv_res(const bf16* __restrict__ W, int n, int k, const bf16* __restrict__ xin,
                 sq = fmaf(v, v, sq);
             }
         }
-        if (ss) atomicAdd(ss, sq);
+        if (ss) ss_add(ss, sq);
     }
 }
