@@ -11,14 +11,14 @@
 //! memory, so one replay is one token with no host round trip; prefill runs cuBLAS GEMMs,
 //! attention included: per chunk of query tokens, S = Q K^T and O = P V are strided-batched GEMMs
 //! over kv heads (the group's query rows stacked, so GQA shares K/V), with a masking/soft-capping
-//! softmax kernel between (`TRELLM_CUDA_ATTN_GEMM=0`: the CUDA-core flash kernel instead).
+//! softmax kernel between.
 //! Decode by default (Llama-like models: RMSNorm, no q/k norm, no post-norms or o/down biases)
 //! fuses rope and the cache write into the qkv GEMV, and the residual add into the o/down GEMVs'
 //! epilogues with the next RMSNorm deferred into the next GEMV (the producer leaves bf16(w * x)
 //! and the sum of squares; the consumer scales its dot products), so a layer is 6 kernels:
 //! qkv+rope, attention partials, combine, o+residual, gate/up+act, down+residual. Decode attention
-//! splits the actual context over a chip-sized grid. Optional (off, see `Tuning`): the split merge
-//! in the attention's last block, the residual add + norm in the o/down GEMVs' last block.
+//! splits the actual context over a chip-sized grid (one cluster launch per kv head while the
+//! context is short). Every reduction runs in a fixed order, so a request reproduces bit for bit.
 
 use std::sync::Arc;
 
@@ -423,108 +423,49 @@ impl DenseWeights {
     }
 }
 
-/// Key positions per attention split in decode (one 32-key tile per block; a multiple of 32,
-/// `TRELLM_CUDA_DECODE_CHUNK` overrides).
-const DECODE_CHUNK: usize = 32;
 /// Decode attention blocks to aim for when the splits share the actual context (H200 runs 6-7:
 /// 256 blocks, one 32-key tile each at ctx 512-640, beat 128 and 512).
 const DECODE_BLOCKS: usize = 256;
+/// Keys per decode attention tile (`KT` in attention.cu): a split holds whole tiles.
+const ATT_KEYS: usize = 32;
 /// Rotary pairs per block of the qkv GEMV with rope (`QKV_PAIRS` in gemv.cu).
 const QKV_PAIRS: usize = 2;
 /// Rows per block of the residual GEMV (`RES_ROWS` in gemv.cu).
 const RES_ROWS: usize = 4;
 /// Integer buckets of one deferred-norm sum of squares (`SS_BUCKETS` in gemv.cu).
 const SS_BUCKETS: usize = 16;
-/// Stacked query rows per flash-attention block (`FA_ROWS` in attention.cu).
-const FLASH_ROWS: usize = 64;
 /// Query rows per attention block (`ATT_ROWS` in attention.cu).
 const ATT_ROWS: usize = 4;
+const ARGMAX_BLOCKS: usize = 128;
 
-/// Kernel choices that can be switched for measurement. Run 6 (H200) made defaults of the qkv GEMV
-/// with rope in its epilogue (`TRELLM_CUDA_FUSE_ROPE=0` off), the residual adds in the o/down
-/// GEMVs with the next RMSNorm deferred into the next GEMV (`TRELLM_CUDA_RES_EPI=0` off), and
-/// decode attention splits sized to the chip over the actual context
-/// (`TRELLM_CUDA_DECODE_SPLITS=0`: fixed splits over the whole cache); run 9 the cluster
-/// attention for short contexts (`TRELLM_CUDA_CLUSTER=0` off). The last-block residual + norm
-/// stays off by default: on the H200 (Llama-3.1-8B shape, ctx 512) it cost +1.1 ms a token (one
-/// SM runs the serial tail while the rest of the chip idles; scripts/gpu/NOTES.md, run 5);
-/// `TRELLM_CUDA_FUSE_RESIDUAL=1` turns it on.
-#[derive(Debug, Clone, Copy)]
-struct Tuning {
-    /// RoPE and the cache write in the qkv GEMV's epilogue (no q/k norms).
-    fuse_rope: bool,
-    /// Blocks per thread-block cluster of decode attention (`TRELLM_CUDA_CLUSTER`, 2..=8;
-    /// 0 = off): the splits of a kv head merge through distributed shared memory instead of a
-    /// combine kernel. Used while the context is at most `cluster_ctx` positions
-    /// (`TRELLM_CUDA_CLUSTER_CTX`); longer contexts replay a graph with the split count sized to
-    /// the chip and the combine kernel.
-    cluster: usize,
-    cluster_ctx: usize,
-    /// Attention starts behind the qkv projection (PDL) and loads its older keys while that one
-    /// finishes (`TRELLM_CUDA_ATTN_PDL=1`; off: +0.13 ms a token on the H200, run 12).
-    attn_pdl: bool,
-    /// Prefill attention in one tensor-core kernel without score matrices (`TRELLM_CUDA_FLASH=1`)
-    /// instead of two batched GEMMs and a softmax. Off: as written (synchronous tile loads, no
-    /// pipelining) it matched the GEMM path, 14.9 vs 15.1 ms a 2048-token prefill (H200 run 13).
-    flash: bool,
-    /// The residual add and next norm in the o/down GEMV's epilogue and last block.
-    fuse_residual: bool,
-    /// Prefill's gate/up GEMM writes bf16 instead of f32 (`TRELLM_CUDA_GU_BF16=1`).
-    gu_bf16: bool,
-    /// Elements of the GEMM attention's score buffer (`TRELLM_CUDA_ATTN_BUDGET`: log2).
-    attn_budget: usize,
-    decode_chunk: usize,
-    /// Decode's residual adds in the o/down GEMVs' epilogues with the next RMSNorm deferred into
-    /// the next GEMV (`TRELLM_CUDA_RES_EPI=0` turns it off: separate residual+norm kernels).
-    res_epi: bool,
-    /// Decode attention splits sized to the chip, sharing the actual context
-    /// (`TRELLM_CUDA_DECODE_SPLITS`: a count, 0 = fixed `decode_chunk`-key splits over the
-    /// whole cache). `None` aims at `DECODE_BLOCKS` blocks.
-    decode_splits: Option<usize>,
+/// The decoder's sizes and thresholds; the defaults are the measured best on the H200
+/// (scripts/gpu/NOTES.md). What measured worse was deleted rather than kept behind a switch: PDL
+/// (+0.1 ms a token in every configuration, runs 5-12), last-block residual + norm (+1.1 ms,
+/// run 5), last-block attention combine (+0.28 ms), bf16 gate/up in prefill, fixed-size decode
+/// splits over the whole cache, CUDA-core prefill attention and the first flash-attention
+/// prefill kernel (equal to the GEMM path, run 13).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Options {
+    /// Blocks per thread-block cluster of decode attention (2..=8, sm_90+): the splits of a kv
+    /// head merge through distributed shared memory instead of a combine kernel (run 9: 8 beat 4
+    /// and matched 16, which needs the non-portable size).
+    pub cluster: usize,
+    /// The longest context decode runs the cluster attention for; longer contexts replay a graph
+    /// with the split count sized to the chip and the combine kernel.
+    pub cluster_ctx: usize,
+    /// Elements of the prefill attention's score buffer (f32; bounds the query rows a chunk).
+    pub attn_score_budget: usize,
 }
 
-impl Tuning {
-    fn from_env() -> Tuning {
-        let on = |k: &str| std::env::var(k).as_deref() == Ok("1");
-        let decode_chunk = std::env::var("TRELLM_CUDA_DECODE_CHUNK")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .filter(|&c| c >= 32 && c.is_multiple_of(32))
-            .unwrap_or(DECODE_CHUNK);
-        Tuning {
-            fuse_rope: std::env::var("TRELLM_CUDA_FUSE_ROPE").as_deref() != Ok("0"),
-            cluster: env_usize("TRELLM_CUDA_CLUSTER")
-                .filter(|&c| c == 0 || (2..=8).contains(&c))
-                .unwrap_or(DECODE_CLUSTER),
-            cluster_ctx: env_usize("TRELLM_CUDA_CLUSTER_CTX").unwrap_or(DECODE_CLUSTER_CTX),
-            attn_pdl: on("TRELLM_CUDA_ATTN_PDL"),
-            flash: on("TRELLM_CUDA_FLASH"),
-            fuse_residual: on("TRELLM_CUDA_FUSE_RESIDUAL"),
-            gu_bf16: on("TRELLM_CUDA_GU_BF16"),
-            attn_budget: std::env::var("TRELLM_CUDA_ATTN_BUDGET")
-                .ok()
-                .and_then(|v| v.parse::<u32>().ok())
-                .filter(|&b| (6..=30).contains(&b))
-                .map_or(ATTN_SCORE_BUDGET, |b| 1 << b),
-            decode_chunk,
-            res_epi: std::env::var("TRELLM_CUDA_RES_EPI").as_deref() != Ok("0"),
-            decode_splits: std::env::var("TRELLM_CUDA_DECODE_SPLITS")
-                .ok()
-                .and_then(|v| v.parse::<usize>().ok()),
+impl Default for Options {
+    fn default() -> Options {
+        Options {
+            cluster: 8,
+            cluster_ctx: 1024,
+            attn_score_budget: 1 << 25,
         }
     }
 }
-/// A numeric tuning variable, if set and a number.
-fn env_usize(k: &str) -> Option<usize> {
-    std::env::var(k).ok().and_then(|v| v.parse::<usize>().ok())
-}
-/// Decode attention's cluster size and the longest context it is used for (see
-/// `Tuning::cluster`).
-const DECODE_CLUSTER: usize = 8;
-const DECODE_CLUSTER_CTX: usize = 1024;
-const ARGMAX_BLOCKS: usize = 128;
-/// Elements of the prefill attention's score buffer (f32; the bf16 probabilities match it).
-const ATTN_SCORE_BUDGET: usize = 1 << 25;
 
 struct Funcs {
     embed: CudaFunction,
@@ -538,10 +479,8 @@ struct Funcs {
     attn_combine: CudaFunction,
     attn_softmax: CudaFunction,
     attn_unstack: CudaFunction,
-    attn_flash: CudaFunction,
     gemv_f32: CudaFunction,
     gemv_qkv_rope: CudaFunction,
-    gemv_residual: CudaFunction,
     gemv_res: CudaFunction,
     gemv_glu: CudaFunction,
     gemv_act: CudaFunction,
@@ -577,8 +516,6 @@ struct Buffers {
     o_stacked: CudaSlice<u16>,
     scores: CudaSlice<f32>,
     probs: CudaSlice<u16>,
-    /// The residual GEMVs' last-block counters (o, down).
-    res_counters: CudaSlice<i32>,
     /// Decode's deferred-norm sums of squares, `SS_BUCKETS` integer buckets a slot: layer l's o
     /// GEMV fills slot 2l, its down GEMV slot 2l + 1 (see gemv_res and ss_add in gemv.cu).
     ss: CudaSlice<u64>,
@@ -600,11 +537,9 @@ pub struct DenseModel {
     rope_tables: Vec<Option<Vec<f32>>>,
     /// The decode graphs, captured on first use: [split attention + combine, cluster attention].
     graphs: [Option<CudaGraph>; 2],
-    /// Prefill attention as cuBLAS GEMMs (`TRELLM_CUDA_ATTN_GEMM=0`: the CUDA-core kernel).
-    attn_gemm: bool,
     /// Query tokens per chunk of the GEMM attention (bounds the score buffer).
     attn_rows: usize,
-    tuning: Tuning,
+    opts: Options,
 }
 
 /// Where a forward pass takes its inputs.
@@ -615,13 +550,14 @@ struct Inputs {
     pos: u64,
     /// Decode: GEMV, many attention splits, and the argmax advances the position.
     decode: bool,
-    /// Decode attention as one cluster launch (see `Tuning::cluster`).
+    /// Decode attention as one cluster launch (see `Options::cluster`).
     cluster: bool,
     /// Keys in the cache once these rows are written (positions are `kv_len - m..kv_len`).
     kv_len: usize,
 }
 
 impl DenseModel {
+    /// The decoder with the default [`Options`].
     pub fn new(
         gpu: Arc<Gpu>,
         cfg: DenseConfig,
@@ -629,16 +565,26 @@ impl DenseModel {
         max_context: usize,
         max_prefill: usize,
     ) -> Result<DenseModel> {
+        Self::with_options(gpu, cfg, w, max_context, max_prefill, Options::default())
+    }
+
+    pub fn with_options(
+        gpu: Arc<Gpu>,
+        cfg: DenseConfig,
+        w: DenseWeights,
+        max_context: usize,
+        max_prefill: usize,
+        opts: Options,
+    ) -> Result<DenseModel> {
         cfg.validate()?;
         ensure!(max_context > 0 && max_prefill > 0, "empty context");
+        ensure!(
+            (2..=8).contains(&opts.cluster),
+            "cluster size {} (2..=8)",
+            opts.cluster
+        );
         let e = |n| gpu.function(&kernels::ELEMENTWISE, &[], n);
-        // The GEMV's unroll depth can be overridden for tuning (`TRELLM_GEMV_UNROLL`).
-        let gemv_defs: Vec<String> = std::env::var("TRELLM_GEMV_UNROLL")
-            .ok()
-            .filter(|u| u.parse::<u32>().is_ok())
-            .map(|u| vec![format!("UNROLL={u}")])
-            .unwrap_or_default();
-        let g = |n| gpu.function(&kernels::GEMV, &gemv_defs, n);
+        let g = |n| gpu.function(&kernels::GEMV, &[], n);
         let hd = [format!("HEAD_DIM={}", cfg.head_dim)];
         let f = Funcs {
             embed: e("embed_rows")?,
@@ -652,21 +598,19 @@ impl DenseModel {
             attn_combine: gpu.function(&kernels::ATTENTION, &hd, "attn_combine")?,
             attn_softmax: gpu.function(&kernels::ATTENTION, &hd, "attn_softmax")?,
             attn_unstack: gpu.function(&kernels::ATTENTION, &hd, "attn_unstack")?,
-            attn_flash: gpu.function(&kernels::ATTENTION, &hd, "attn_flash")?,
             gemv_f32: g("gemv_f32")?,
             gemv_qkv_rope: g("gemv_qkv_rope")?,
-            gemv_residual: g("gemv_residual")?,
             gemv_res: g("gemv_res")?,
             gemv_glu: g("gemv_glu")?,
             gemv_act: g("gemv_act")?,
         };
         let t = max_prefill;
         let h = cfg.hidden;
-        let tuning = Tuning::from_env();
-        let splits = max_context.div_ceil(tuning.decode_chunk);
-        let part_rows = (t * cfg.n_heads).max(cfg.n_heads * splits);
+        // Attention partials: one token's heads, each with up to the decode split count.
+        let splits = decode_splits(&cfg, max_context).max(opts.cluster);
+        let part_rows = cfg.n_heads * splits;
         let kv = max_context * cfg.kv_dim();
-        let attn_rows = (tuning.attn_budget / (cfg.n_heads * max_context)).clamp(1, t);
+        let attn_rows = (opts.attn_score_budget / (cfg.n_heads * max_context)).clamp(1, t);
         let score_elems = cfg.n_heads * attn_rows * (max_context + 8);
         let b = Buffers {
             x: gpu.alloc(t * h)?,
@@ -697,7 +641,6 @@ impl DenseModel {
             o_stacked: gpu.alloc(t * cfg.q_dim())?,
             scores: gpu.alloc(score_elems)?,
             probs: gpu.alloc(score_elems)?,
-            res_counters: gpu.alloc(2)?,
             ss: gpu.alloc(2 * cfg.n_layers() * SS_BUCKETS)?,
         };
         let rope_tables = cfg
@@ -716,9 +659,8 @@ impl DenseModel {
             len: 0,
             rope_tables,
             graphs: [None, None],
-            attn_gemm: std::env::var("TRELLM_CUDA_ATTN_GEMM").as_deref() != Ok("0"),
             attn_rows,
-            tuning,
+            opts,
         })
     }
 
@@ -866,22 +808,9 @@ impl DenseModel {
         Ok(())
     }
 
-    /// Turns the flash-attention prefill on or off (see `Tuning::flash`), e.g. for tests.
-    pub fn set_flash_attention(&mut self, on: bool) {
-        self.tuning.flash = on;
-    }
-
-    /// Whether prefill attention runs as one flash-attention kernel (`Tuning::flash`; head dims
-    /// that are multiples of 16 up to 128).
-    fn flash_attention(&self) -> bool {
-        let hd = self.cfg.head_dim;
-        self.tuning.flash && hd.is_multiple_of(16) && hd <= 128
-    }
-
     /// Whether a decode step over `ctx` positions runs the cluster attention.
     fn cluster_attention(&self, ctx: usize) -> bool {
-        let t = &self.tuning;
-        t.cluster >= 2 && ctx <= t.cluster_ctx && self.gpu.sm90_or_newer()
+        ctx <= self.opts.cluster_ctx && self.gpu.sm90_or_newer()
     }
 
     fn decode_inputs(&self, cluster: bool) -> Inputs {
@@ -911,12 +840,6 @@ impl DenseModel {
         let graph = graph?.ok_or_else(|| anyhow!("empty decode graph"))?;
         graph.upload()?;
         Ok(graph)
-    }
-
-    /// Drops the captured decode graphs (the next step captures anew, e.g. after
-    /// [`Gpu::set_pdl`]).
-    pub fn recapture(&mut self) {
-        self.graphs = [None, None];
     }
 
     /// A graph of only the decode step's weight streaming: every layer's GEMVs and the output
@@ -1023,9 +946,7 @@ impl DenseModel {
     /// bias or post-norm on the residual branches.
     fn res_epi(&self) -> bool {
         let c = &self.cfg;
-        self.tuning.res_epi
-            && !self.tuning.fuse_residual
-            && c.norm == NormKind::Rms
+        c.norm == NormKind::Rms
             && self.w.layers.iter().all(|l| {
                 l.o_bias.is_none()
                     && l.down_bias.is_none()
@@ -1084,21 +1005,15 @@ impl DenseModel {
             ],
         )?;
         let group = c.n_heads / c.n_kv_heads;
-        let (chunk, splits) = if inp.decode && inp.cluster {
-            (0, self.tuning.cluster)
+        let splits = if inp.decode && inp.cluster {
+            self.opts.cluster
         } else if inp.decode {
-            match self.decode_splits() {
-                Some(n) => (0, n),
-                None => {
-                    let dc = self.tuning.decode_chunk;
-                    (dc, self.max_context.div_ceil(dc))
-                }
-            }
+            decode_splits(c, self.max_context)
         } else {
-            (self.max_context, 1)
+            1
         };
         let rscale = c.residual_scale.unwrap_or(1.0);
-        let gemm_attn = m > 1 && self.attn_gemm;
+        let gemm_attn = m > 1;
         // Deferred norms (decode): the sum of squares the next GEMV scales by (0: xn is final).
         let epi = m == 1 && self.res_epi();
         let ss_slot = |i: usize| g.ptr(&b.ss) + (8 * SS_BUCKETS * i) as u64;
@@ -1111,7 +1026,7 @@ impl DenseModel {
             } else {
                 (0, 0)
             };
-            if m == 1 && c.qk_norm == QkNormKind::None && self.tuning.fuse_rope {
+            if m == 1 && c.qk_norm == QkNormKind::None {
                 // One token: the qkv GEMV does the rope kernel's work in its epilogue.
                 let na = self.norm_args(qkv_norm);
                 g.launch(
@@ -1158,7 +1073,6 @@ impl DenseModel {
                     ),
                     128,
                     fused.then_some((1, 1, splits as u32)),
-                    self.tuning.attn_pdl,
                     &[
                         Arg::Ptr(p(&b.q)),
                         Arg::Ptr(kc),
@@ -1169,7 +1083,6 @@ impl DenseModel {
                         Arg::I32(c.n_kv_heads as i32),
                         Arg::I32(spec.window.unwrap_or(0) as i32),
                         Arg::F32(c.attn_softcap.unwrap_or(0.0)),
-                        Arg::I32(chunk as i32),
                         Arg::I32(splits as i32),
                         Arg::Ptr(p(&b.part_acc)),
                         Arg::Ptr(p(&b.part_ml)),
@@ -1196,7 +1109,7 @@ impl DenseModel {
             if epi {
                 pending_ss = self.gemv_res(o, rscale, nw, ss_slot(2 * l))?;
             } else {
-                self.proj_residual(m, o, po(&lw.o_bias), (pw, pb), rscale, (nw, nbias), 0)?;
+                self.proj_residual(m, o, po(&lw.o_bias), (pw, pb), rscale, (nw, nbias))?;
             }
             let glu_norm = if epi {
                 (pending_ss, ss_slot(2 * l + 1))
@@ -1233,13 +1146,7 @@ impl DenseModel {
                 )?;
             } else {
                 let gu = p(&b.gu);
-                let bf = self.tuning.gu_bf16;
-                let out_t = if bf {
-                    bsys::cudaDataType::CUDA_R_16BF
-                } else {
-                    bsys::cudaDataType::CUDA_R_32F
-                };
-                gemm(g, m, c.gate_up_rows(), h, xn, g.ptr(&lw.gate_up), gu, out_t)?;
+                gemm_bf16_f32(g, m, c.gate_up_rows(), h, xn, g.ptr(&lw.gate_up), gu)?;
                 g.launch(
                     &f.act_rows,
                     (ff.div_ceil(4 * 256) as u32, m as u32, 1),
@@ -1250,7 +1157,6 @@ impl DenseModel {
                         Arg::I32(ff as i32),
                         Arg::I32(c.gated as i32),
                         Arg::I32(c.activation as i32),
-                        Arg::I32(bf as i32),
                         Arg::Ptr(act),
                     ],
                 )?;
@@ -1264,7 +1170,7 @@ impl DenseModel {
             if epi {
                 pending_ss = self.gemv_res(down, rscale, next.0, ss_slot(2 * l + 1))?;
             } else {
-                self.proj_residual(m, down, po(&lw.down_bias), (pw, pb), rscale, next, 1)?;
+                self.proj_residual(m, down, po(&lw.down_bias), (pw, pb), rscale, next)?;
             }
         }
 
@@ -1406,28 +1312,7 @@ impl DenseModel {
         let bf16t = bsys::cudaDataType::CUDA_R_16BF;
         let trans = bsys::cublasOperation_t::CUBLAS_OP_T;
         let none = bsys::cublasOperation_t::CUBLAS_OP_N;
-        let mut t0 = if self.flash_attention() {
-            g.launch(
-                &f.attn_flash,
-                ((m * group).div_ceil(FLASH_ROWS) as u32, nkv as u32, 1),
-                128,
-                &[
-                    Arg::Ptr(qs),
-                    Arg::Ptr(kc),
-                    Arg::Ptr(vc),
-                    Arg::Ptr(inp.pos),
-                    Arg::I32(m as i32),
-                    Arg::I32(group as i32),
-                    Arg::I32(nkv as i32),
-                    Arg::I32(spec.window.unwrap_or(0) as i32),
-                    Arg::F32(c.attn_softcap.unwrap_or(0.0)),
-                    Arg::Ptr(os),
-                ],
-            )?;
-            m
-        } else {
-            0
-        };
+        let mut t0 = 0;
         while t0 < m {
             let tn = self.attn_rows.min(m - t0);
             let n_keys = first + t0 + tn;
@@ -1488,9 +1373,7 @@ impl DenseModel {
     }
 
     /// `y = inp . W^T` for the projection `(inp, W, k)`, then the residual step (see
-    /// [`residual`](Self::residual)). One token without bias or post-norm: one GEMV that adds
-    /// into x and norms in its last block (`counter` picks its last-block counter).
-    #[allow(clippy::too_many_arguments)]
+    /// [`residual`](Self::residual)).
     fn proj_residual(
         &self,
         m: usize,
@@ -1499,32 +1382,9 @@ impl DenseModel {
         post: (u64, u64),
         rscale: f32,
         next: (u64, u64),
-        counter: usize,
     ) -> Result<()> {
-        let (g, c) = (&*self.gpu, &self.cfg);
-        let h = c.hidden;
+        let (g, h) = (&*self.gpu, self.cfg.hidden);
         let y = g.ptr(&self.b.y);
-        if m == 1 && bias == 0 && post.0 == 0 && self.tuning.fuse_residual {
-            return g.launch(
-                &self.f.gemv_residual,
-                (h.div_ceil(2) as u32, 1, 1),
-                128,
-                &[
-                    Arg::Ptr(w),
-                    Arg::I32(h as i32),
-                    Arg::I32(k as i32),
-                    Arg::Ptr(inp),
-                    Arg::Ptr(g.ptr(&self.b.x)),
-                    Arg::F32(rscale),
-                    Arg::Ptr(next.0),
-                    Arg::Ptr(next.1),
-                    Arg::F32(c.norm_eps),
-                    Arg::I32((c.norm == NormKind::Layer) as i32),
-                    Arg::Ptr(g.ptr(&self.b.xn)),
-                    Arg::Ptr(g.ptr(&self.b.res_counters) + 4 * counter as u64),
-                ],
-            );
-        }
         self.matmul(m, inp, w, h, k, y)?;
         self.residual(m, y, bias, post, rscale, next)
     }
@@ -1560,20 +1420,6 @@ impl DenseModel {
         Ok(ss)
     }
 
-    /// Decode attention's split count when the splits share the actual context (see
-    /// `Tuning::decode_splits`); `None`: fixed-size splits over the whole cache.
-    fn decode_splits(&self) -> Option<usize> {
-        let c = &self.cfg;
-        let max = self.max_context.div_ceil(self.tuning.decode_chunk);
-        let tiles = c.n_kv_heads * (c.n_heads / c.n_kv_heads).div_ceil(ATT_ROWS);
-        let n = match self.tuning.decode_splits {
-            Some(0) => return None,
-            Some(n) => n,
-            None => (DECODE_BLOCKS / tiles).max(1),
-        };
-        Some(n.clamp(1, max))
-    }
-
     /// `x += rscale * post(y + bias)`, then `xn = next_norm(x)` (identity when absent), per row.
     fn residual(
         &self,
@@ -1606,6 +1452,13 @@ impl DenseModel {
             ],
         )
     }
+}
+
+/// Decode attention's split count: the splits share the actual context, sized so that the
+/// grid holds about `DECODE_BLOCKS` blocks (at most one tile a split at full context).
+fn decode_splits(c: &DenseConfig, max_context: usize) -> usize {
+    let tiles = c.n_kv_heads * (c.n_heads / c.n_kv_heads).div_ceil(ATT_ROWS);
+    (DECODE_BLOCKS / tiles).clamp(1, max_context.div_ceil(ATT_KEYS).max(1))
 }
 
 /// `y[m, n] (f32, row-major) = x[m, k] (bf16) . w[n, k]^T (bf16)`, f32 accumulation, cuBLAS.

@@ -60,7 +60,6 @@ pub const ATTENTION: KernelSource = KernelSource {
         "attn_combine",
         "attn_softmax",
         "attn_unstack",
-        "attn_flash",
     ],
     hot: true,
     variants: &[
@@ -81,11 +80,10 @@ pub const GEMV: KernelSource = KernelSource {
         "gemv_glu",
         "gemv_act",
         "gemv_qkv_rope",
-        "gemv_residual",
         "gemv_res",
     ],
     hot: true,
-    variants: &["UNROLL=2", "UNROLL=4", "UNROLL=8"],
+    variants: &[],
 };
 
 /// Every kernel source.

@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use anyhow::{anyhow, bail, ensure, Context, Result};
+use anyhow::{anyhow, bail, ensure, Result};
 use trellm_cuda::dense::{self, DenseConfig, DenseModel, DenseWeights, HostLayer, HostNorm};
 use trellm_cuda::Gpu;
 
@@ -15,7 +15,7 @@ use super::cpu::CpuModel;
 use super::SoloSequence;
 use crate::engine::generate::PREFILL_STEP;
 use crate::model::config::{Activation, Mlp, ModelConfig, Norm, QkNorm};
-use crate::model::weights::{Linear, LinearWeight, Matrix, NormWeights, Weights};
+use crate::model::weights::{LayerWeights, Linear, LinearWeight, Matrix, NormWeights, Weights};
 
 pub use trellm_cuda::{available, unavailable_reason};
 
@@ -284,38 +284,57 @@ impl ModelBackend for CudaModel {
     }
 }
 
-/// Copies a model folder (`config.json` + one `model.safetensors`) with every f32 weight rounded
-/// to bf16, so the CPU decoder runs on exactly the values the GPU holds.
-fn bf16_rounded_copy(src: &Path, dst: &Path) -> Result<()> {
-    std::fs::create_dir_all(dst)?;
-    for f in ["config.json", "generation_config.json"] {
-        if src.join(f).exists() {
-            std::fs::copy(src.join(f), dst.join(f))?;
+/// `w` with every matrix decoded and rounded to bf16 (the values the GPU holds), stored as f32
+/// in memory, whatever the file's format; norms and biases stay f32 as on the GPU.
+pub fn bf16_rounded(w: &Weights) -> Result<Weights> {
+    let mat = |m: &Matrix| -> Result<Matrix> {
+        let mut v = vec![0.0f32; m.rows * m.cols];
+        for (r, row) in v.chunks_exact_mut(m.cols.max(1)).enumerate() {
+            m.dequantize_row(r, row);
+            for x in row.iter_mut() {
+                *x = half::bf16::from_f32(*x).to_f32();
+            }
         }
-    }
-    let mut bytes = std::fs::read(src.join("model.safetensors"))
-        .with_context(|| format!("{}: model.safetensors", src.display()))?;
-    ensure!(bytes.len() >= 8, "truncated safetensors");
-    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n])?;
-    let base = 8 + n;
-    for (name, t) in header.as_object().context("safetensors header")? {
-        if name == "__metadata__" || t["dtype"] != "F32" {
-            continue;
-        }
-        let off = &t["data_offsets"];
-        let (a, b) = (
-            base + off[0].as_u64().context("offset")? as usize,
-            base + off[1].as_u64().context("offset")? as usize,
-        );
-        for c in bytes[a..b].chunks_exact_mut(4) {
-            let v = f32::from_le_bytes(c.try_into().unwrap());
-            let r = half::bf16::from_f32(v).to_f32();
-            c.copy_from_slice(&r.to_le_bytes());
-        }
-    }
-    std::fs::write(dst.join("model.safetensors"), bytes)?;
-    Ok(())
+        Matrix::from_f32(m.rows, m.cols, &v)
+    };
+    let lw = |l: &LinearWeight| -> Result<LinearWeight> { Ok(LinearWeight::Ggml(mat(ggml(l)?)?)) };
+    let lin = |l: &Linear| -> Result<Linear> {
+        Ok(Linear {
+            w: lw(&l.w)?,
+            b: l.b.clone(),
+        })
+    };
+    let norm = |n: &NormWeights| NormWeights {
+        w: n.w.clone(),
+        b: n.b.clone(),
+    };
+    let layers = w
+        .layers
+        .iter()
+        .map(|l| {
+            Ok(LayerWeights {
+                attn_norm: l.attn_norm.as_ref().map(norm),
+                q: lin(&l.q)?,
+                k: lin(&l.k)?,
+                v: lin(&l.v)?,
+                o: lin(&l.o)?,
+                q_norm: l.q_norm.clone(),
+                k_norm: l.k_norm.clone(),
+                post_attn_norm: l.post_attn_norm.as_ref().map(norm),
+                ffn_norm: l.ffn_norm.as_ref().map(norm),
+                gate: l.gate.as_ref().map(lin).transpose()?,
+                up: lin(&l.up)?,
+                down: lin(&l.down)?,
+                post_ffn_norm: l.post_ffn_norm.as_ref().map(norm),
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Weights {
+        embed: mat(&w.embed)?,
+        layers,
+        final_norm: norm(&w.final_norm),
+        lm_head: lw(&w.lm_head)?,
+    })
 }
 
 /// One comparison of the GPU decoder against the CPU decoder.
@@ -357,18 +376,12 @@ fn top2_gap(x: &[f32]) -> f32 {
 }
 
 /// Runs a prompt and `steps` greedy steps on the CPU and the GPU decoder (weights rounded to
-/// bf16 for both) and compares logits and ids.
-pub fn check_against_cpu(model_dir: &Path, steps: usize) -> Result<CheckReport> {
-    let name = model_dir
-        .file_name()
-        .map(|s| s.to_string_lossy().to_string())
-        .unwrap_or_default();
-    let tmp = std::env::temp_dir().join(format!("trellm-cuda-check-{}-{name}", std::process::id()));
-    bf16_rounded_copy(model_dir, &tmp)?;
-    let loaded = crate::model::load::load(&tmp);
-    let _ = std::fs::remove_dir_all(&tmp);
-    let loaded = loaded?;
-    let model = &*loaded.model;
+/// bf16 for both, see [`bf16_rounded`]) and compares logits and ids. `model_path`: any model
+/// trellm loads (a folder, a GGUF file).
+pub fn check_against_cpu(model_path: &Path, steps: usize) -> Result<CheckReport> {
+    let loaded = crate::model::load::load(model_path)?;
+    let src = &*loaded.model;
+    let model = &CpuModel::new(src.cfg.clone(), bf16_rounded(&src.weights)?);
     let cfg = &model.cfg;
     let prompt: Vec<u32> = (0..11u32)
         .map(|i| (i * 37 + 3) % cfg.vocab as u32)
@@ -402,7 +415,7 @@ pub fn check_against_cpu(model_dir: &Path, steps: usize) -> Result<CheckReport> 
         max_abs = max_abs.max(a);
     }
     Ok(CheckReport {
-        model: model_dir.to_path_buf(),
+        model: model_path.to_path_buf(),
         steps,
         max_rel_err: max_rel,
         max_abs_err: max_abs,
@@ -410,4 +423,49 @@ pub fn check_against_cpu(model_dir: &Path, steps: usize) -> Result<CheckReport> 
         gpu_ids,
         gap_at_divergence: gap,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The CPU side of `bench --check`: every matrix holds exactly the bf16 rounding of the
+    /// stored values, in memory, so the check needs no folder layout (any format loads).
+    #[test]
+    fn bf16_rounded_weights_hold_the_rounded_values() {
+        let dir = Path::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../tests/fixtures/tiny/llama"
+        ));
+        let loaded = crate::model::load::load(dir).unwrap();
+        let w = &loaded.model.weights;
+        let r = bf16_rounded(w).unwrap();
+        let pairs = [
+            (&w.embed, &r.embed),
+            (
+                ggml(&w.layers[0].q.w).unwrap(),
+                ggml(&r.layers[0].q.w).unwrap(),
+            ),
+            (
+                ggml(&w.layers[1].down.w).unwrap(),
+                ggml(&r.layers[1].down.w).unwrap(),
+            ),
+        ];
+        let mut changed = 0;
+        for (a, b) in pairs {
+            assert_eq!((a.rows, a.cols), (b.rows, b.cols));
+            let (mut ra, mut rb) = (vec![0.0; a.cols], vec![0.0; a.cols]);
+            for row in 0..a.rows {
+                a.dequantize_row(row, &mut ra);
+                b.dequantize_row(row, &mut rb);
+                for (x, y) in ra.iter().zip(&rb) {
+                    assert_eq!(half::bf16::from_f32(*x).to_f32().to_bits(), y.to_bits());
+                    changed += (x != y) as usize;
+                }
+            }
+        }
+        // The fixture's f32 weights are not all bf16 values: the rounding did something.
+        assert!(changed > 0);
+        assert_eq!(w.final_norm.w, r.final_norm.w);
+    }
 }
