@@ -8,67 +8,40 @@ use anyhow::{bail, Result};
 use cudarc::cublas::sys as bsys;
 use cudarc::driver::sys as dsys;
 
-use crate::dense::{self, Act, DenseConfig, DenseModel, DenseWeights, LayerSpec, NormKind};
-use crate::dense::{QkNormKind, RopeSpec};
+use trellm_model::config::{Dims, Family};
+use trellm_model::rope::Rope;
+use trellm_model::{ModelConfig, Plan};
+
+use crate::dense::{self, DenseModel, DenseWeights, Shape};
 use crate::{kernels, Arg, Gpu};
 
 /// Shapes `--shape` accepts.
 pub const SHAPES: &[&str] = &["llama-3.1-8b", "tiny"];
 
-/// A full-width rotary spec of base `base` for head dimension `hd`.
-pub fn rope(hd: usize, base: f32) -> RopeSpec {
-    let half = hd / 2;
-    RopeSpec {
-        dims: hd,
-        interleaved: false,
-        position_scale: 1.0,
-        input_scale: 1.0,
-        inv_freq: (0..half)
-            .map(|i| (-(i as f32) * base.ln() / half as f32).exp())
-            .collect(),
-        dynamic: None,
-    }
-}
-
-/// A llama-style config for a named shape.
-pub fn shape(name: &str) -> Result<DenseConfig> {
+/// A llama-style config for a named shape (the same [`ModelConfig`] a loaded model has).
+pub fn shape(name: &str) -> Result<ModelConfig> {
     let (h, ff, nh, nkv, hd, vocab, layers, base, tied) = match name {
         "llama-3.1-8b" => (4096, 14336, 32, 8, 128, 128256, 32, 500000.0, false),
         "tiny" => (256, 512, 4, 2, 64, 1024, 2, 10000.0, true),
         other => bail!("unknown shape '{other}' (known: {})", SHAPES.join(", ")),
     };
-    Ok(DenseConfig {
+    let dims = Dims {
         hidden: h,
         intermediate: ff,
         n_heads: nh,
         n_kv_heads: nkv,
         head_dim: hd,
         vocab,
+        n_layers: layers,
         norm_eps: 1e-5,
-        norm: NormKind::Rms,
-        pre_norms: true,
-        post_norms: false,
-        qk_norm: QkNormKind::None,
-        activation: Act::Silu,
-        gated: true,
-        qkv_bias: false,
-        o_bias: false,
-        mlp_bias: false,
-        tied_embeddings: tied,
-        embed_scale: None,
-        residual_scale: None,
-        attn_scale: (hd as f32).powf(-0.5),
-        attn_softcap: None,
-        final_softcap: None,
-        logits_divisor: None,
-        layers: vec![
-            LayerSpec {
-                window: None,
-                rope: Some(rope(hd, base)),
-            };
-            layers
-        ],
-    })
+        max_context: 131072,
+        bos_id: None,
+        eos_ids: Vec::new(),
+    };
+    let mut cfg =
+        ModelConfig::llama_like(Family::Llama, dims, Some(Rope::plain(hd, base, false, 1.0)));
+    cfg.tied_embeddings = tied;
+    Ok(cfg)
 }
 
 #[derive(Debug, Clone)]
@@ -188,9 +161,11 @@ pub fn run(shape_name: &str, o: &BenchOptions) -> Result<BenchReport> {
 
     let w = DenseWeights::synthetic(&gpu, &cfg, o.seed)?;
     let max_context = o.n_prompt.max(o.context + o.n_gen + 1);
+    let plan = Plan::new(&cfg);
     let mut model = DenseModel::new(
         gpu.clone(),
-        cfg.clone(),
+        &cfg,
+        &plan,
         w,
         max_context,
         o.n_prompt.max(o.context),

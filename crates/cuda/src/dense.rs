@@ -1,4 +1,5 @@
-//! The dense (llama/gemma-style) decoder on the GPU, driven by a plain [`DenseConfig`].
+//! The dense (llama/gemma-style) decoder on the GPU, driven by the model's [`ModelConfig`] and
+//! [`Plan`] and uploaded from its [`Weights`], the descriptions every backend shares.
 //!
 //! Activations: the residual stream is f32; matrix inputs (normed activations, attention
 //! output, the MLP's hidden state) are bf16; projections produce f32. Weights are bf16, norms
@@ -25,166 +26,140 @@ use std::sync::Arc;
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use cudarc::cublas::sys as bsys;
 use cudarc::driver::{sys as dsys, CudaFunction, CudaGraph, CudaSlice};
+use trellm_model::config::{Activation, Mlp, Norm, QkNorm};
+use trellm_model::plan::{
+    AttentionOp, GluEpilogue, LayerPlan, NormOp, Op, QkvEpilogue, ResidualEpilogue,
+};
+use trellm_model::weights::{LinearWeight, Matrix, NormWeights, Weights};
+use trellm_model::{ModelConfig, Plan};
 
 use crate::kernels;
 use crate::{Arg, Gpu};
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum NormKind {
-    Rms,
-    Layer,
+/// Sizes derived from a [`ModelConfig`] that the GPU buffers and kernels use.
+pub trait Shape {
+    fn q_dim(&self) -> usize;
+    fn kv_dim(&self) -> usize;
+    fn qkv_dim(&self) -> usize;
+    fn gated(&self) -> bool;
+    /// Rows of the gate/up matrix: gate rows then up rows, or up rows alone.
+    fn gate_up_rows(&self) -> usize;
+    /// Linear parameters per layer (qkv, o, gate/up, down).
+    fn layer_matrix_params(&self) -> usize;
+    /// Bytes of weights one decode step reads: every layer's matrices (bf16) and norms (f32),
+    /// the output head and the final norm (the embedding contributes one row).
+    fn decode_weight_bytes(&self) -> usize;
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum QkNormKind {
-    None,
-    /// RMSNorm over each head (weights of `head_dim`).
-    PerHead,
-    /// RMSNorm over the whole q and k projections.
-    Whole,
-}
-
-/// Activation codes as the kernels number them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Act {
-    Silu = 0,
-    GeluTanh = 1,
-    Gelu = 2,
-}
-
-#[derive(Debug, Clone, PartialEq)]
-pub struct RopeSpec {
-    /// Rotated dimensions at the start of each head.
-    pub dims: usize,
-    /// Adjacent pairs `(2i, 2i+1)` instead of halves `(i, i + dims/2)`.
-    pub interleaved: bool,
-    pub position_scale: f32,
-    pub input_scale: f32,
-    /// One inverse frequency per rotated pair.
-    pub inv_freq: Vec<f32>,
-    /// Dynamic-NTK RoPE: the inverse frequencies for a pass whose last position is `len - 1`
-    /// (`inv_freq` is then the table for short sequences).
-    pub dynamic: Option<InvFreqAt>,
-}
-
-/// The inverse frequencies of a dynamic RoPE as a function of the sequence length, given by the
-/// decoder that owns the formula.
-#[derive(Clone)]
-pub struct InvFreqAt(pub Arc<dyn Fn(usize) -> Vec<f32> + Send + Sync>);
-
-impl std::fmt::Debug for InvFreqAt {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("InvFreqAt(..)")
-    }
-}
-
-impl PartialEq for InvFreqAt {
-    fn eq(&self, other: &Self) -> bool {
-        Arc::ptr_eq(&self.0, &other.0)
-    }
-}
-
-#[derive(Debug, Clone, PartialEq)]
-pub struct LayerSpec {
-    pub window: Option<usize>,
-    pub rope: Option<RopeSpec>,
-}
-
-/// Everything the GPU decoder needs to know about a model.
-#[derive(Debug, Clone)]
-pub struct DenseConfig {
-    pub hidden: usize,
-    pub intermediate: usize,
-    pub n_heads: usize,
-    pub n_kv_heads: usize,
-    pub head_dim: usize,
-    pub vocab: usize,
-    pub norm_eps: f32,
-    pub norm: NormKind,
-    pub pre_norms: bool,
-    pub post_norms: bool,
-    pub qk_norm: QkNormKind,
-    pub activation: Act,
-    pub gated: bool,
-    pub qkv_bias: bool,
-    pub o_bias: bool,
-    pub mlp_bias: bool,
-    pub tied_embeddings: bool,
-    pub embed_scale: Option<f32>,
-    pub residual_scale: Option<f32>,
-    pub attn_scale: f32,
-    pub attn_softcap: Option<f32>,
-    pub final_softcap: Option<f32>,
-    pub logits_divisor: Option<f32>,
-    pub layers: Vec<LayerSpec>,
-}
-
-impl DenseConfig {
-    pub fn n_layers(&self) -> usize {
-        self.layers.len()
-    }
-    pub fn q_dim(&self) -> usize {
+impl Shape for ModelConfig {
+    fn q_dim(&self) -> usize {
         self.n_heads * self.head_dim
     }
-    pub fn kv_dim(&self) -> usize {
+    fn kv_dim(&self) -> usize {
         self.n_kv_heads * self.head_dim
     }
-    pub fn qkv_dim(&self) -> usize {
+    fn qkv_dim(&self) -> usize {
         self.q_dim() + 2 * self.kv_dim()
     }
-    /// Rows of the gate/up matrix: gate rows then up rows, or up rows alone.
-    pub fn gate_up_rows(&self) -> usize {
-        if self.gated {
+    fn gated(&self) -> bool {
+        self.mlp == Mlp::Gated
+    }
+    fn gate_up_rows(&self) -> usize {
+        if self.gated() {
             2 * self.intermediate
         } else {
             self.intermediate
         }
     }
-
-    /// Linear parameters per layer (qkv, o, gate/up, down).
-    pub fn layer_matrix_params(&self) -> usize {
+    fn layer_matrix_params(&self) -> usize {
         let h = self.hidden;
         self.qkv_dim() * h + h * self.q_dim() + self.gate_up_rows() * h + h * self.intermediate
     }
-
-    /// Bytes of weights one decode step reads: every layer's matrices, norms and biases, the
-    /// output head and the final norm (the embedding contributes one row).
-    pub fn decode_weight_bytes(&self) -> usize {
+    fn decode_weight_bytes(&self) -> usize {
         let h = self.hidden;
         let norms = (self.pre_norms as usize * 2 + self.post_norms as usize * 2)
             * h
             * 4
-            * if self.norm == NormKind::Layer { 2 } else { 1 };
+            * if self.norm == Norm::Layer { 2 } else { 1 };
         let per_layer = self.layer_matrix_params() * 2 + norms;
         self.n_layers() * per_layer + self.vocab * h * 2 + h * 4 + h * 2
     }
+}
 
-    fn validate(&self) -> Result<()> {
-        ensure!(self.n_layers() > 0, "the model has no layers");
-        ensure!(
-            self.n_kv_heads > 0 && self.n_heads.is_multiple_of(self.n_kv_heads),
-            "{} heads do not divide into {} kv heads",
-            self.n_heads,
-            self.n_kv_heads
-        );
-        ensure!(
-            self.head_dim.is_multiple_of(8) && self.head_dim <= 256,
-            "head_dim {} is not supported on CUDA (a multiple of 8, at most 256)",
-            self.head_dim
-        );
-        for l in &self.layers {
-            if let Some(r) = &l.rope {
-                ensure!(
-                    r.dims <= self.head_dim && r.dims.is_multiple_of(2),
-                    "bad rotary dims"
-                );
-                ensure!(r.inv_freq.len() == r.dims / 2, "inv_freq length");
-            }
+/// The kernels' activation codes (`activate` in prelude.cuh).
+fn act_code(a: Activation) -> i32 {
+    match a {
+        Activation::Silu => 0,
+        Activation::GeluTanh => 1,
+        Activation::Gelu => 2,
+    }
+}
+
+/// What the CUDA decoder runs of a model; fails for what it does not run.
+fn validate(cfg: &ModelConfig) -> Result<()> {
+    ensure!(cfg.n_layers() > 0, "the model has no layers");
+    ensure!(
+        cfg.n_kv_heads > 0 && cfg.n_heads.is_multiple_of(cfg.n_kv_heads),
+        "{} heads do not divide into {} kv heads",
+        cfg.n_heads,
+        cfg.n_kv_heads
+    );
+    ensure!(
+        cfg.head_dim.is_multiple_of(8) && cfg.head_dim <= 256,
+        "head_dim {} is not supported on CUDA (a multiple of 8, at most 256)",
+        cfg.head_dim
+    );
+    for l in &cfg.layers {
+        if let Some(r) = &l.rope {
+            ensure!(
+                r.dims <= cfg.head_dim && r.dims.is_multiple_of(2),
+                "bad rotary dims"
+            );
         }
-        if self.qk_norm == QkNormKind::Whole && self.qkv_bias {
-            bail!("whole-projection q/k norms with qkv biases are not supported on CUDA");
-        }
-        Ok(())
+    }
+    if cfg.qk_norm == QkNorm::Whole && cfg.qkv_bias {
+        bail!("whole-projection q/k norms with qkv biases are not supported on CUDA");
+    }
+    Ok(())
+}
+
+/// One layer's plan, in the order the CUDA decoder runs it.
+#[derive(Debug, Clone)]
+struct LayerOps {
+    qkv: QkvEpilogue,
+    attn: AttentionOp,
+    out: ResidualEpilogue,
+    glu: GluEpilogue,
+    down: ResidualEpilogue,
+}
+
+impl LayerOps {
+    /// Layer `l`'s plan, checked against its buffers: the norms the plan applies are the ones
+    /// the weights hold (the kernels apply a norm where its weights are present).
+    fn of(l: usize, lp: &LayerPlan, lw: &LayerBuffers) -> Result<LayerOps> {
+        let [Op::AttnNorm(an), Op::Qkv(qkv), Op::Attention(attn), Op::Output(out), Op::MlpNorm(mn), Op::GateUp(glu), Op::Down(down)] =
+            lp.ops.as_slice()
+        else {
+            bail!(
+                "layer {l}: the CUDA decoder does not run this plan: {:?}",
+                lp.ops
+            );
+        };
+        let same = |op: &Option<NormOp>, w: &Option<DeviceNorm>| op.is_some() == w.is_some();
+        ensure!(
+            same(an, &lw.attn_norm)
+                && same(mn, &lw.ffn_norm)
+                && same(&out.post_norm, &lw.post_attn_norm)
+                && same(&down.post_norm, &lw.post_ffn_norm),
+            "layer {l}: the plan's norms and the weights' differ"
+        );
+        Ok(LayerOps {
+            qkv: qkv.clone(),
+            attn: *attn,
+            out: *out,
+            glu: *glu,
+            down: *down,
+        })
     }
 }
 
@@ -193,87 +168,78 @@ pub fn to_bf16(x: f32) -> u16 {
     half::bf16::from_f32(x).to_bits()
 }
 
-/// A norm's scale and (LayerNorm) bias, as f32 on the host.
-#[derive(Clone, Debug)]
-pub struct HostNorm {
-    pub w: Vec<f32>,
-    pub b: Option<Vec<f32>>,
-}
-
-/// One layer's weights on the host: matrices as bf16 bits, row-major `[out, in]`.
-#[derive(Clone, Debug, Default)]
-pub struct HostLayer {
-    pub attn_norm: Option<HostNorm>,
-    /// q rows, then k rows, then v rows.
-    pub qkv: Vec<u16>,
-    pub qkv_bias: Option<Vec<f32>>,
-    pub q_norm: Option<Vec<f32>>,
-    pub k_norm: Option<Vec<f32>>,
-    pub o: Vec<u16>,
-    pub o_bias: Option<Vec<f32>>,
-    pub post_attn_norm: Option<HostNorm>,
-    pub ffn_norm: Option<HostNorm>,
-    /// Gate rows then up rows (gated), or up rows.
-    pub gate_up: Vec<u16>,
-    pub gate_up_bias: Option<Vec<f32>>,
-    pub down: Vec<u16>,
-    pub down_bias: Option<Vec<f32>>,
-    pub post_ffn_norm: Option<HostNorm>,
-}
-
-pub struct DevNorm {
+/// A norm's scale and (LayerNorm) bias on the device, f32.
+pub struct DeviceNorm {
     pub w: CudaSlice<f32>,
     pub b: Option<CudaSlice<f32>>,
 }
 
-pub struct DevLayer {
-    pub attn_norm: Option<DevNorm>,
-    pub qkv: CudaSlice<u16>,
-    pub qkv_bias: Option<CudaSlice<f32>>,
+/// A linear layer on the device: bf16 weights, row-major `[out, in]`, and an f32 bias.
+pub struct Bf16Linear {
+    pub w: CudaSlice<u16>,
+    pub b: Option<CudaSlice<f32>>,
+}
+
+/// One decoder layer's buffers. Projections that run as one matrix are stacked: q, k, v rows;
+/// gate rows then up rows (gated MLPs).
+pub struct LayerBuffers {
+    pub attn_norm: Option<DeviceNorm>,
+    pub qkv: Bf16Linear,
     pub q_norm: Option<CudaSlice<f32>>,
     pub k_norm: Option<CudaSlice<f32>>,
-    pub o: CudaSlice<u16>,
-    pub o_bias: Option<CudaSlice<f32>>,
-    pub post_attn_norm: Option<DevNorm>,
-    pub ffn_norm: Option<DevNorm>,
-    pub gate_up: CudaSlice<u16>,
-    pub gate_up_bias: Option<CudaSlice<f32>>,
-    pub down: CudaSlice<u16>,
-    pub down_bias: Option<CudaSlice<f32>>,
-    pub post_ffn_norm: Option<DevNorm>,
+    pub o: Bf16Linear,
+    pub post_attn_norm: Option<DeviceNorm>,
+    pub ffn_norm: Option<DeviceNorm>,
+    pub gate_up: Bf16Linear,
+    pub down: Bf16Linear,
+    pub post_ffn_norm: Option<DeviceNorm>,
     pub inv_freq: Option<CudaSlice<f32>>,
 }
 
 /// All weights on the device.
 pub struct DenseWeights {
     pub embed: CudaSlice<u16>,
-    pub layers: Vec<DevLayer>,
-    pub final_norm: DevNorm,
+    pub layers: Vec<LayerBuffers>,
+    pub final_norm: DeviceNorm,
     /// None when tied to the embedding.
     pub lm_head: Option<CudaSlice<u16>>,
 }
 
-fn check_len<T>(v: &[T], n: usize, what: &str) -> Result<()> {
-    ensure!(v.len() == n, "{what}: {} values, expected {n}", v.len());
-    Ok(())
+/// The matrix of a projection in a ggml format (EXL3 weights need the trellis kernels).
+fn ggml(l: &LinearWeight) -> Result<&Matrix> {
+    match l {
+        LinearWeight::Ggml(m) => Ok(m),
+        LinearWeight::Exl3(_) => bail!("EXL3 weights are not supported on CUDA yet"),
+    }
+}
+
+/// The matrices' rows, one after the other, decoded exactly and rounded to bf16.
+fn bf16_rows(ms: &[&Matrix]) -> Vec<u16> {
+    let mut out = Vec::with_capacity(ms.iter().map(|m| m.rows * m.cols).sum());
+    for m in ms {
+        let mut row = vec![0.0f32; m.cols];
+        for r in 0..m.rows {
+            m.dequantize_row(r, &mut row);
+            out.extend(row.iter().map(|&v| to_bf16(v)));
+        }
+    }
+    out
 }
 
 impl DenseWeights {
-    /// Uploads host weights, one layer at a time (so a caller can convert layer by layer).
-    pub fn upload(
-        gpu: &Gpu,
-        cfg: &DenseConfig,
-        embed: &[u16],
-        final_norm: &HostNorm,
-        lm_head: Option<&[u16]>,
-        layers: impl Iterator<Item = Result<HostLayer>>,
-    ) -> Result<DenseWeights> {
-        cfg.validate()?;
-        let h = cfg.hidden;
-        check_len(embed, cfg.vocab * h, "embedding")?;
-        let norm = |n: &HostNorm| -> Result<DevNorm> {
-            check_len(&n.w, h, "norm")?;
-            Ok(DevNorm {
+    /// Uploads `w` (any ggml format, rounded to bf16; norms and biases as f32), one layer at a
+    /// time so the host holds one layer's bf16 copy at once.
+    pub fn upload(gpu: &Gpu, cfg: &ModelConfig, w: &Weights) -> Result<DenseWeights> {
+        validate(cfg)?;
+        ensure!(
+            w.layers.len() == cfg.n_layers(),
+            "{} layers of weights for {} in the config",
+            w.layers.len(),
+            cfg.n_layers()
+        );
+        let norm = |n: &NormWeights| -> Result<DeviceNorm> {
+            ensure!(n.w.len() == cfg.hidden, "norm of {} values", n.w.len());
+            Ok(DeviceNorm {
                 w: gpu.upload(&n.w)?,
                 b: n.b.as_deref().map(|b| gpu.upload(b)).transpose()?,
             })
@@ -281,55 +247,88 @@ impl DenseWeights {
         let opt = |v: &Option<Vec<f32>>| -> Result<Option<CudaSlice<f32>>> {
             v.as_deref().map(|b| gpu.upload(b)).transpose()
         };
-        let mut dl = Vec::with_capacity(cfg.n_layers());
-        for (l, hl) in layers.enumerate() {
-            let hl = hl?;
-            ensure!(l < cfg.n_layers(), "more layers than the config has");
-            check_len(&hl.qkv, cfg.qkv_dim() * h, "qkv")?;
-            check_len(&hl.o, h * cfg.q_dim(), "o")?;
-            check_len(&hl.gate_up, cfg.gate_up_rows() * h, "gate/up")?;
-            check_len(&hl.down, h * cfg.intermediate, "down")?;
-            dl.push(DevLayer {
-                attn_norm: hl.attn_norm.as_ref().map(norm).transpose()?,
-                qkv: gpu.upload(&hl.qkv)?,
-                qkv_bias: opt(&hl.qkv_bias)?,
-                q_norm: opt(&hl.q_norm)?,
-                k_norm: opt(&hl.k_norm)?,
-                o: gpu.upload(&hl.o)?,
-                o_bias: opt(&hl.o_bias)?,
-                post_attn_norm: hl.post_attn_norm.as_ref().map(norm).transpose()?,
-                ffn_norm: hl.ffn_norm.as_ref().map(norm).transpose()?,
-                gate_up: gpu.upload(&hl.gate_up)?,
-                gate_up_bias: opt(&hl.gate_up_bias)?,
-                down: gpu.upload(&hl.down)?,
-                down_bias: opt(&hl.down_bias)?,
-                post_ffn_norm: hl.post_ffn_norm.as_ref().map(norm).transpose()?,
-                inv_freq: cfg.layers[l]
+        // Several projections stacked into one matrix (biases side by side, zeros where one
+        // has none; no bias if none has one).
+        let linear = |ls: &[&trellm_model::weights::Linear], rows: usize, cols: usize| {
+            let ms = ls.iter().map(|l| ggml(&l.w)).collect::<Result<Vec<_>>>()?;
+            ensure!(
+                ms.iter().map(|m| m.rows).sum::<usize>() == rows
+                    && ms.iter().all(|m| m.cols == cols),
+                "a projection of {:?}, expected {rows}x{cols}",
+                ms.iter().map(|m| (m.rows, m.cols)).collect::<Vec<_>>()
+            );
+            let b = if ls.iter().all(|l| l.b.is_none()) {
+                None
+            } else {
+                let mut v = Vec::with_capacity(rows);
+                for l in ls {
+                    match &l.b {
+                        Some(b) => v.extend_from_slice(b),
+                        None => v.extend(std::iter::repeat_n(0.0, l.w.rows())),
+                    }
+                }
+                Some(gpu.upload(&v)?)
+            };
+            Ok(Bf16Linear {
+                w: gpu.upload(&bf16_rows(&ms))?,
+                b,
+            })
+        };
+        let h = cfg.hidden;
+        let mut layers = Vec::with_capacity(cfg.n_layers());
+        for (lw, spec) in w.layers.iter().zip(&cfg.layers) {
+            let gate_up = match &lw.gate {
+                Some(g) => vec![g, &lw.up],
+                None => vec![&lw.up],
+            };
+            layers.push(LayerBuffers {
+                attn_norm: lw.attn_norm.as_ref().map(norm).transpose()?,
+                qkv: linear(&[&lw.q, &lw.k, &lw.v], cfg.qkv_dim(), h)?,
+                q_norm: opt(&lw.q_norm)?,
+                k_norm: opt(&lw.k_norm)?,
+                o: linear(&[&lw.o], h, cfg.q_dim())?,
+                post_attn_norm: lw.post_attn_norm.as_ref().map(norm).transpose()?,
+                ffn_norm: lw.ffn_norm.as_ref().map(norm).transpose()?,
+                gate_up: linear(&gate_up, cfg.gate_up_rows(), h)?,
+                down: linear(&[&lw.down], h, cfg.intermediate)?,
+                post_ffn_norm: lw.post_ffn_norm.as_ref().map(norm).transpose()?,
+                inv_freq: spec
                     .rope
                     .as_ref()
-                    .map(|r| gpu.upload(&r.inv_freq))
+                    .map(|r| gpu.upload(&r.inv_freq(1)))
                     .transpose()?,
             });
         }
         ensure!(
-            dl.len() == cfg.n_layers(),
-            "fewer layers than the config has"
+            w.embed.rows == cfg.vocab && w.embed.cols == h,
+            "embedding of {}x{}",
+            w.embed.rows,
+            w.embed.cols
         );
-        if let Some(lm) = lm_head {
-            check_len(lm, cfg.vocab * h, "lm_head")?;
-        }
+        let lm_head = if cfg.tied_embeddings {
+            None
+        } else {
+            let m = ggml(&w.lm_head)?;
+            ensure!(
+                m.rows == cfg.vocab && m.cols == h,
+                "lm_head of {}x{}",
+                m.rows,
+                m.cols
+            );
+            Some(gpu.upload(&bf16_rows(&[m]))?)
+        };
         Ok(DenseWeights {
-            embed: gpu.upload(embed)?,
-            layers: dl,
-            final_norm: norm(final_norm)?,
-            lm_head: lm_head.map(|v| gpu.upload(v)).transpose()?,
+            embed: gpu.upload(&bf16_rows(&[&w.embed]))?,
+            layers,
+            final_norm: norm(&w.final_norm)?,
+            lm_head,
         })
     }
 
     /// Seeded random weights generated on the device (uniform, scaled by `1/sqrt(fan_in)`), norms
     /// of one; biases zero. Nothing large crosses the bus.
-    pub fn synthetic(gpu: &Gpu, cfg: &DenseConfig, seed: u64) -> Result<DenseWeights> {
-        cfg.validate()?;
+    pub fn synthetic(gpu: &Gpu, cfg: &ModelConfig, seed: u64) -> Result<DenseWeights> {
+        validate(cfg)?;
         let fill = gpu.function(&kernels::ELEMENTWISE, &[], "fill_uniform_bf16")?;
         let fill_f = gpu.function(&kernels::ELEMENTWISE, &[], "fill_f32")?;
         let mut counter = seed.wrapping_mul(0x2545_f491_4f6c_dd1d);
@@ -363,12 +362,12 @@ impl DenseWeights {
             Ok(s)
         };
         let h = cfg.hidden;
-        let norm = |ones: &dyn Fn(usize) -> Result<CudaSlice<f32>>| -> Result<DevNorm> {
-            Ok(DevNorm {
+        let norm = |ones: &dyn Fn(usize) -> Result<CudaSlice<f32>>| -> Result<DeviceNorm> {
+            Ok(DeviceNorm {
                 w: ones(h)?,
                 b: match cfg.norm {
-                    NormKind::Rms => None,
-                    NormKind::Layer => Some(gpu.alloc::<f32>(h)?),
+                    Norm::Rms => None,
+                    Norm::Layer => Some(gpu.alloc::<f32>(h)?),
                 },
             })
         };
@@ -379,30 +378,38 @@ impl DenseWeights {
         for spec in &cfg.layers {
             let qk = |n| -> Result<Option<CudaSlice<f32>>> {
                 match cfg.qk_norm {
-                    QkNormKind::None => Ok(None),
-                    QkNormKind::PerHead => ones(cfg.head_dim).map(Some),
-                    QkNormKind::Whole => ones(n).map(Some),
+                    QkNorm::None => Ok(None),
+                    QkNorm::PerHead => ones(cfg.head_dim).map(Some),
+                    QkNorm::Whole => ones(n).map(Some),
                 }
             };
-            layers.push(DevLayer {
+            layers.push(LayerBuffers {
                 attn_norm: cfg.pre_norms.then(|| norm(&ones)).transpose()?,
-                qkv: mat(cfg.qkv_dim(), h)?,
-                qkv_bias: zeros(cfg.qkv_bias, cfg.qkv_dim())?,
+                qkv: Bf16Linear {
+                    w: mat(cfg.qkv_dim(), h)?,
+                    b: zeros(cfg.qkv_bias, cfg.qkv_dim())?,
+                },
                 q_norm: qk(cfg.q_dim())?,
                 k_norm: qk(cfg.kv_dim())?,
-                o: mat(h, cfg.q_dim())?,
-                o_bias: zeros(cfg.o_bias, h)?,
+                o: Bf16Linear {
+                    w: mat(h, cfg.q_dim())?,
+                    b: zeros(cfg.o_bias, h)?,
+                },
                 post_attn_norm: cfg.post_norms.then(|| norm(&ones)).transpose()?,
                 ffn_norm: cfg.pre_norms.then(|| norm(&ones)).transpose()?,
-                gate_up: mat(cfg.gate_up_rows(), h)?,
-                gate_up_bias: zeros(cfg.mlp_bias, cfg.gate_up_rows())?,
-                down: mat(h, cfg.intermediate)?,
-                down_bias: zeros(cfg.mlp_bias, h)?,
+                gate_up: Bf16Linear {
+                    w: mat(cfg.gate_up_rows(), h)?,
+                    b: zeros(cfg.mlp_bias, cfg.gate_up_rows())?,
+                },
+                down: Bf16Linear {
+                    w: mat(h, cfg.intermediate)?,
+                    b: zeros(cfg.mlp_bias, h)?,
+                },
                 post_ffn_norm: cfg.post_norms.then(|| norm(&ones)).transpose()?,
                 inv_freq: spec
                     .rope
                     .as_ref()
-                    .map(|r| gpu.upload(&r.inv_freq))
+                    .map(|r| gpu.upload(&r.inv_freq(1)))
                     .transpose()?,
             });
         }
@@ -524,7 +531,10 @@ struct Buffers {
 /// A model on the GPU with its KV cache (one sequence).
 pub struct DenseModel {
     pub gpu: Arc<Gpu>,
-    pub cfg: DenseConfig,
+    pub cfg: ModelConfig,
+    pub plan: Plan,
+    /// The plan's layers as the decoder runs them.
+    ops: Vec<LayerOps>,
     pub w: DenseWeights,
     /// KV cache capacity in positions.
     pub max_context: usize,
@@ -560,23 +570,40 @@ impl DenseModel {
     /// The decoder with the default [`Options`].
     pub fn new(
         gpu: Arc<Gpu>,
-        cfg: DenseConfig,
+        cfg: &ModelConfig,
+        plan: &Plan,
         w: DenseWeights,
         max_context: usize,
         max_prefill: usize,
     ) -> Result<DenseModel> {
-        Self::with_options(gpu, cfg, w, max_context, max_prefill, Options::default())
+        Self::with_options(
+            gpu,
+            cfg,
+            plan,
+            w,
+            max_context,
+            max_prefill,
+            Options::default(),
+        )
     }
 
     pub fn with_options(
         gpu: Arc<Gpu>,
-        cfg: DenseConfig,
+        cfg: &ModelConfig,
+        plan: &Plan,
         w: DenseWeights,
         max_context: usize,
         max_prefill: usize,
         opts: Options,
     ) -> Result<DenseModel> {
-        cfg.validate()?;
+        validate(cfg)?;
+        ensure!(
+            plan.layers.len() == cfg.n_layers() && w.layers.len() == cfg.n_layers(),
+            "the plan, the weights and the config disagree on the layer count"
+        );
+        let ops = (plan.layers.iter().zip(&w.layers).enumerate())
+            .map(|(l, (lp, lw))| LayerOps::of(l, lp, lw))
+            .collect::<Result<Vec<_>>>()?;
         ensure!(max_context > 0 && max_prefill > 0, "empty context");
         ensure!(
             (2..=8).contains(&opts.cluster),
@@ -607,7 +634,7 @@ impl DenseModel {
         let t = max_prefill;
         let h = cfg.hidden;
         // Attention partials: one token's heads, each with up to the decode split count.
-        let splits = decode_splits(&cfg, max_context).max(opts.cluster);
+        let splits = decode_splits(cfg, max_context).max(opts.cluster);
         let part_rows = cfg.n_heads * splits;
         let kv = max_context * cfg.kv_dim();
         let attn_rows = (opts.attn_score_budget / (cfg.n_heads * max_context)).clamp(1, t);
@@ -643,14 +670,15 @@ impl DenseModel {
             probs: gpu.alloc(score_elems)?,
             ss: gpu.alloc(2 * cfg.n_layers() * SS_BUCKETS)?,
         };
-        let rope_tables = cfg
-            .layers
+        let rope_tables = ops
             .iter()
-            .map(|l| l.rope.as_ref().map(|r| r.inv_freq.clone()))
+            .map(|o| o.qkv.rope.as_ref().map(|r| r.inv_freq(1)))
             .collect();
         Ok(DenseModel {
             gpu,
-            cfg,
+            cfg: cfg.clone(),
+            plan: plan.clone(),
+            ops,
             w,
             max_context,
             max_prefill,
@@ -784,19 +812,12 @@ impl DenseModel {
     /// Dynamic RoPE: uploads the layers' inverse frequencies for a pass whose last position is
     /// `seq_len - 1` where they change (stream-ordered, so a graph replayed next reads them).
     fn refresh_rope(&mut self, seq_len: usize) -> Result<()> {
-        for (l, spec) in self.cfg.layers.iter().enumerate() {
-            let Some(RopeSpec {
-                dynamic: Some(at), ..
-            }) = &spec.rope
-            else {
+        for (l, ops) in self.ops.iter().enumerate() {
+            let Some(rope) = ops.qkv.rope.as_ref().filter(|r| r.is_dynamic()) else {
                 continue;
             };
-            let table = (at.0)(seq_len);
+            let table = rope.inv_freq(seq_len);
             if self.rope_tables[l].as_ref() != Some(&table) {
-                ensure!(
-                    table.len() == spec.rope.as_ref().unwrap().dims / 2,
-                    "inv_freq length"
-                );
                 let dev = self.w.layers[l]
                     .inv_freq
                     .as_mut()
@@ -854,10 +875,10 @@ impl DenseModel {
         let r = (|| -> Result<()> {
             let (xn, y, act) = (g.ptr(&b.xn), g.ptr(&b.y), g.ptr(&b.act));
             for lw in &self.w.layers {
-                self.matmul(1, xn, g.ptr(&lw.qkv), c.qkv_dim(), h, g.ptr(&b.qkv))?;
-                self.matmul(1, g.ptr(&b.attn), g.ptr(&lw.o), h, c.q_dim(), y)?;
+                self.matmul(1, xn, g.ptr(&lw.qkv.w), c.qkv_dim(), h, g.ptr(&b.qkv))?;
+                self.matmul(1, g.ptr(&b.attn), g.ptr(&lw.o.w), h, c.q_dim(), y)?;
                 let ff = c.intermediate;
-                let (func, blocks) = if c.gated {
+                let (func, blocks) = if c.gated() {
                     (&self.f.gemv_glu, ff)
                 } else {
                     (&self.f.gemv_act, ff.div_ceil(2))
@@ -867,12 +888,12 @@ impl DenseModel {
                     (blocks as u32, 1, 1),
                     128,
                     &[
-                        Arg::Ptr(g.ptr(&lw.gate_up)),
+                        Arg::Ptr(g.ptr(&lw.gate_up.w)),
                         Arg::I32(ff as i32),
                         Arg::I32(h as i32),
                         Arg::Ptr(xn),
                         Arg::Ptr(0),
-                        Arg::I32(c.activation as i32),
+                        Arg::I32(act_code(c.activation)),
                         Arg::Ptr(act),
                         Arg::Ptr(0),
                         Arg::F32(0.0),
@@ -880,7 +901,7 @@ impl DenseModel {
                         Arg::Ptr(0),
                     ],
                 )?;
-                self.matmul(1, act, g.ptr(&lw.down), h, ff, y)?;
+                self.matmul(1, act, g.ptr(&lw.down.w), h, ff, y)?;
             }
             let head = self.w.lm_head.as_ref().unwrap_or(&self.w.embed);
             self.matmul(1, xn, g.ptr(head), c.vocab, h, g.ptr(&b.logits))
@@ -946,10 +967,10 @@ impl DenseModel {
     /// bias or post-norm on the residual branches.
     fn res_epi(&self) -> bool {
         let c = &self.cfg;
-        c.norm == NormKind::Rms
+        c.norm == Norm::Rms
             && self.w.layers.iter().all(|l| {
-                l.o_bias.is_none()
-                    && l.down_bias.is_none()
+                l.o.b.is_none()
+                    && l.down.b.is_none()
                     && l.post_attn_norm.is_none()
                     && l.post_ffn_norm.is_none()
             })
@@ -961,11 +982,11 @@ impl DenseModel {
         let (h, hd) = (c.hidden, c.head_dim);
         let (qd, qkvd) = (c.q_dim(), c.qkv_dim());
         let eps = c.norm_eps;
-        let layer_norm = (c.norm == NormKind::Layer) as i32;
+        let layer_norm = (c.norm == Norm::Layer) as i32;
         let nb = (h.next_power_of_two().clamp(32, 1024)) as u32;
         let p = |s: &CudaSlice<f32>| g.ptr(s);
         let po = |s: &Option<CudaSlice<f32>>| s.as_ref().map_or(0, |s| g.ptr(s));
-        let pn = |n: &Option<DevNorm>| {
+        let pn = |n: &Option<DeviceNorm>| {
             (
                 n.as_ref().map_or(0, |n| g.ptr(&n.w)),
                 n.as_ref().map_or(0, |n| po(&n.b)),
@@ -981,7 +1002,7 @@ impl DenseModel {
                 Arg::Ptr(inp.tokens),
                 Arg::Ptr(g.ptr(&self.w.embed)),
                 Arg::I32(h as i32),
-                Arg::F32(c.embed_scale.unwrap_or(1.0)),
+                Arg::F32(self.plan.embed_scale.unwrap_or(1.0)),
                 Arg::Ptr(x),
             ],
         )?;
@@ -1012,21 +1033,21 @@ impl DenseModel {
         } else {
             1
         };
-        let rscale = c.residual_scale.unwrap_or(1.0);
         let gemm_attn = m > 1;
         // Deferred norms (decode): the sum of squares the next GEMV scales by (0: xn is final).
         let epi = m == 1 && self.res_epi();
         let ss_slot = |i: usize| g.ptr(&b.ss) + (8 * SS_BUCKETS * i) as u64;
         let mut pending_ss = 0u64;
-        for (l, (lw, spec)) in self.w.layers.iter().zip(&c.layers).enumerate() {
-            let rope = spec.rope.as_ref();
+        for (l, (lw, ops)) in self.w.layers.iter().zip(&self.ops).enumerate() {
+            let rope = ops.qkv.rope.as_ref();
+            let attn = &ops.attn;
             let (kc, vc) = (g.ptr(&b.k_cache[l]), g.ptr(&b.v_cache[l]));
             let qkv_norm = if epi {
                 (pending_ss, ss_slot(2 * l))
             } else {
                 (0, 0)
             };
-            if m == 1 && c.qk_norm == QkNormKind::None {
+            if m == 1 && ops.qkv.qk_norm == QkNorm::None {
                 // One token: the qkv GEMV does the rope kernel's work in its epilogue.
                 let na = self.norm_args(qkv_norm);
                 g.launch(
@@ -1034,20 +1055,20 @@ impl DenseModel {
                     ((qkvd / 2).div_ceil(QKV_PAIRS) as u32, 1, 1),
                     128,
                     &[
-                        Arg::Ptr(g.ptr(&lw.qkv)),
+                        Arg::Ptr(g.ptr(&lw.qkv.w)),
                         Arg::I32(h as i32),
                         Arg::Ptr(xn),
-                        Arg::Ptr(po(&lw.qkv_bias)),
+                        Arg::Ptr(po(&lw.qkv.b)),
                         Arg::Ptr(inp.pos),
                         Arg::I32(c.n_heads as i32),
                         Arg::I32(c.n_kv_heads as i32),
                         Arg::I32(hd as i32),
                         Arg::Ptr(po(&lw.inv_freq)),
                         Arg::I32(rope.map_or(0, |r| r.dims as i32)),
-                        Arg::I32(rope.is_some_and(|r| r.interleaved) as i32),
+                        Arg::I32(rope.is_some_and(|r| r.traditional) as i32),
                         Arg::F32(rope.map_or(1.0, |r| r.position_scale)),
-                        Arg::F32(rope.map_or(1.0, |r| r.input_scale)),
-                        Arg::F32(c.attn_scale),
+                        Arg::F32(rope.and_then(|r| r.input_scale).unwrap_or(1.0)),
+                        Arg::F32(attn.scale),
                         Arg::Ptr(p(&b.q)),
                         Arg::Ptr(kc),
                         Arg::Ptr(vc),
@@ -1058,10 +1079,10 @@ impl DenseModel {
                     ],
                 )?;
             } else {
-                self.qkv_rope(m, &inp, lw, spec, l, gemm_attn, qkv_norm)?;
+                self.qkv_rope(m, &inp, lw, ops, l, gemm_attn, qkv_norm)?;
             }
             if gemm_attn {
-                self.attention_gemm(m, &inp, spec, kc, vc)?;
+                self.attention_gemm(m, &inp, attn, kc, vc)?;
             } else {
                 let fused = inp.decode && inp.cluster;
                 g.launch_cluster(
@@ -1081,8 +1102,8 @@ impl DenseModel {
                         Arg::I32(m as i32),
                         Arg::I32(c.n_heads as i32),
                         Arg::I32(c.n_kv_heads as i32),
-                        Arg::I32(spec.window.unwrap_or(0) as i32),
-                        Arg::F32(c.attn_softcap.unwrap_or(0.0)),
+                        Arg::I32(attn.window.unwrap_or(0) as i32),
+                        Arg::F32(attn.softcap.unwrap_or(0.0)),
                         Arg::I32(splits as i32),
                         Arg::Ptr(p(&b.part_acc)),
                         Arg::Ptr(p(&b.part_ml)),
@@ -1105,11 +1126,12 @@ impl DenseModel {
             }
             let (pw, pb) = pn(&lw.post_attn_norm);
             let (nw, nbias) = pn(&lw.ffn_norm);
-            let o = (g.ptr(&b.attn), g.ptr(&lw.o), qd);
+            let o = (g.ptr(&b.attn), g.ptr(&lw.o.w), qd);
+            let rscale = ops.out.scale.unwrap_or(1.0);
             if epi {
                 pending_ss = self.gemv_res(o, rscale, nw, ss_slot(2 * l))?;
             } else {
-                self.proj_residual(m, o, po(&lw.o_bias), (pw, pb), rscale, (nw, nbias))?;
+                self.proj_residual(m, o, po(&lw.o.b), (pw, pb), rscale, (nw, nbias))?;
             }
             let glu_norm = if epi {
                 (pending_ss, ss_slot(2 * l + 1))
@@ -1120,7 +1142,7 @@ impl DenseModel {
             let ff = c.intermediate;
             let act = g.ptr(&b.act);
             if m == 1 {
-                let (func, blocks, n) = if c.gated {
+                let (func, blocks, n) = if ops.glu.gated {
                     (&f.gemv_glu, ff, ff)
                 } else {
                     (&f.gemv_act, ff.div_ceil(2), ff)
@@ -1131,12 +1153,12 @@ impl DenseModel {
                     (blocks as u32, 1, 1),
                     128,
                     &[
-                        Arg::Ptr(g.ptr(&lw.gate_up)),
+                        Arg::Ptr(g.ptr(&lw.gate_up.w)),
                         Arg::I32(n as i32),
                         Arg::I32(h as i32),
                         Arg::Ptr(xn),
-                        Arg::Ptr(po(&lw.gate_up_bias)),
-                        Arg::I32(c.activation as i32),
+                        Arg::Ptr(po(&lw.gate_up.b)),
+                        Arg::I32(act_code(ops.glu.activation)),
                         Arg::Ptr(act),
                         na[0],
                         na[1],
@@ -1146,17 +1168,17 @@ impl DenseModel {
                 )?;
             } else {
                 let gu = p(&b.gu);
-                gemm_bf16_f32(g, m, c.gate_up_rows(), h, xn, g.ptr(&lw.gate_up), gu)?;
+                gemm_bf16_f32(g, m, c.gate_up_rows(), h, xn, g.ptr(&lw.gate_up.w), gu)?;
                 g.launch(
                     &f.act_rows,
                     (ff.div_ceil(4 * 256) as u32, m as u32, 1),
                     256,
                     &[
                         Arg::Ptr(gu),
-                        Arg::Ptr(po(&lw.gate_up_bias)),
+                        Arg::Ptr(po(&lw.gate_up.b)),
                         Arg::I32(ff as i32),
-                        Arg::I32(c.gated as i32),
-                        Arg::I32(c.activation as i32),
+                        Arg::I32(ops.glu.gated as i32),
+                        Arg::I32(act_code(ops.glu.activation)),
                         Arg::Ptr(act),
                     ],
                 )?;
@@ -1166,11 +1188,12 @@ impl DenseModel {
                 Some(nl) => pn(&nl.attn_norm),
                 None => (g.ptr(&self.w.final_norm.w), po(&self.w.final_norm.b)),
             };
-            let down = (act, g.ptr(&lw.down), ff);
+            let down = (act, g.ptr(&lw.down.w), ff);
+            let rscale = ops.down.scale.unwrap_or(1.0);
             if epi {
                 pending_ss = self.gemv_res(down, rscale, next.0, ss_slot(2 * l + 1))?;
             } else {
-                self.proj_residual(m, down, po(&lw.down_bias), (pw, pb), rscale, next)?;
+                self.proj_residual(m, down, po(&lw.down.b), (pw, pb), rscale, next)?;
             }
         }
 
@@ -1186,8 +1209,8 @@ impl DenseModel {
             &[
                 Arg::Ptr(logits),
                 Arg::I32(c.vocab as i32),
-                Arg::F32(c.final_softcap.unwrap_or(0.0)),
-                Arg::F32(c.logits_divisor.unwrap_or(0.0)),
+                Arg::F32(self.plan.logits.softcap.unwrap_or(0.0)),
+                Arg::F32(self.plan.logits.divisor.unwrap_or(0.0)),
                 Arg::Ptr(g.ptr(&b.argmax)),
             ],
         )?;
@@ -1219,8 +1242,8 @@ impl DenseModel {
         &self,
         m: usize,
         inp: &Inputs,
-        lw: &DevLayer,
-        spec: &LayerSpec,
+        lw: &LayerBuffers,
+        ops: &LayerOps,
         l: usize,
         stacked: bool,
         norm: (u64, u64),
@@ -1233,11 +1256,12 @@ impl DenseModel {
         let po = |s: &Option<CudaSlice<f32>>| s.as_ref().map_or(0, |s| g.ptr(s));
         let qkv = g.ptr(&b.qkv);
         if m == 1 {
-            self.gemv(g.ptr(&b.xn), g.ptr(&lw.qkv), qkvd, h, qkv, norm)?;
+            self.gemv(g.ptr(&b.xn), g.ptr(&lw.qkv.w), qkvd, h, qkv, norm)?;
         } else {
-            self.matmul(m, g.ptr(&b.xn), g.ptr(&lw.qkv), qkvd, h, qkv)?;
+            self.matmul(m, g.ptr(&b.xn), g.ptr(&lw.qkv.w), qkvd, h, qkv)?;
         }
-        if c.qk_norm == QkNormKind::Whole {
+        let qk_norm = ops.qkv.qk_norm;
+        if qk_norm == QkNorm::Whole {
             for (off, len, w) in [(0, qd, &lw.q_norm), (qd, kvd, &lw.k_norm)] {
                 g.launch(
                     &f.norm,
@@ -1258,8 +1282,8 @@ impl DenseModel {
                 )?;
             }
         }
-        let per_head = c.qk_norm == QkNormKind::PerHead;
-        let rope = spec.rope.as_ref();
+        let per_head = qk_norm == QkNorm::PerHead;
+        let rope = ops.qkv.rope.as_ref();
         let heads = c.n_heads + c.n_kv_heads;
         g.launch(
             &f.rope,
@@ -1267,7 +1291,7 @@ impl DenseModel {
             256,
             &[
                 Arg::Ptr(qkv),
-                Arg::Ptr(po(&lw.qkv_bias)),
+                Arg::Ptr(po(&lw.qkv.b)),
                 Arg::Ptr(inp.pos),
                 Arg::I32(c.n_heads as i32),
                 Arg::I32(c.n_kv_heads as i32),
@@ -1277,10 +1301,10 @@ impl DenseModel {
                 Arg::F32(eps),
                 Arg::Ptr(po(&lw.inv_freq)),
                 Arg::I32(rope.map_or(0, |r| r.dims as i32)),
-                Arg::I32(rope.is_some_and(|r| r.interleaved) as i32),
+                Arg::I32(rope.is_some_and(|r| r.traditional) as i32),
                 Arg::F32(rope.map_or(1.0, |r| r.position_scale)),
-                Arg::F32(rope.map_or(1.0, |r| r.input_scale)),
-                Arg::F32(c.attn_scale),
+                Arg::F32(rope.and_then(|r| r.input_scale).unwrap_or(1.0)),
+                Arg::F32(ops.attn.scale),
                 Arg::Ptr(g.ptr(&b.q)),
                 Arg::Ptr(g.ptr(&b.k_cache[l])),
                 Arg::Ptr(g.ptr(&b.v_cache[l])),
@@ -1297,7 +1321,7 @@ impl DenseModel {
         &self,
         m: usize,
         inp: &Inputs,
-        spec: &LayerSpec,
+        attn: &AttentionOp,
         kc: u64,
         vc: u64,
     ) -> Result<()> {
@@ -1341,8 +1365,8 @@ impl DenseModel {
                     Arg::Ptr(inp.pos),
                     Arg::I32(t0 as i32),
                     Arg::I32(group as i32),
-                    Arg::I32(spec.window.unwrap_or(0) as i32),
-                    Arg::F32(c.attn_softcap.unwrap_or(0.0)),
+                    Arg::I32(attn.window.unwrap_or(0) as i32),
+                    Arg::F32(attn.softcap.unwrap_or(0.0)),
                     Arg::Ptr(pr),
                 ],
             )?;
@@ -1447,7 +1471,7 @@ impl DenseModel {
                 Arg::Ptr(next.0),
                 Arg::Ptr(next.1),
                 Arg::F32(c.norm_eps),
-                Arg::I32((c.norm == NormKind::Layer) as i32),
+                Arg::I32((c.norm == Norm::Layer) as i32),
                 Arg::Ptr(g.ptr(&self.b.xn)),
             ],
         )
@@ -1456,7 +1480,7 @@ impl DenseModel {
 
 /// Decode attention's split count: the splits share the actual context, sized so that the
 /// grid holds about `DECODE_BLOCKS` blocks (at most one tile a split at full context).
-fn decode_splits(c: &DenseConfig, max_context: usize) -> usize {
+fn decode_splits(c: &ModelConfig, max_context: usize) -> usize {
     let tiles = c.n_kv_heads * (c.n_heads / c.n_kv_heads).div_ceil(ATT_ROWS);
     (DECODE_BLOCKS / tiles).clamp(1, max_context.div_ceil(ATT_KEYS).max(1))
 }

@@ -3,8 +3,15 @@
 
 use std::sync::Arc;
 
-use trellm_cuda::dense::{DenseConfig, DenseModel, DenseWeights};
+use trellm_cuda::dense::{DenseModel, DenseWeights};
 use trellm_cuda::{bench, Gpu};
+use trellm_model::rope::Rope;
+use trellm_model::{ModelConfig, Plan};
+
+/// The decoder for `cfg` with its plan.
+fn model(gpu: Arc<Gpu>, cfg: &ModelConfig, w: DenseWeights, ctx: usize) -> DenseModel {
+    DenseModel::new(gpu, cfg, &Plan::new(cfg), w, ctx, ctx).unwrap()
+}
 
 fn gpu() -> Arc<Gpu> {
     assert!(
@@ -27,7 +34,7 @@ fn decode_step_matches_prefill() {
         .map(|i| (i * 97 + 5) % cfg.vocab as u32)
         .collect();
     let w = DenseWeights::synthetic(&gpu, &cfg, 7).unwrap();
-    let mut m = DenseModel::new(gpu, cfg, w, 64, 64).unwrap();
+    let mut m = model(gpu, &cfg, w, 64);
     m.prefill(&tokens).unwrap();
     let full = m.logits().unwrap();
     m.reset().unwrap();
@@ -51,15 +58,15 @@ fn decode_step_matches_prefill() {
 }
 
 /// A tiny synthetic model with the given attention geometry (sliding window on layer 0).
-fn geometry(head_dim: usize, n_heads: usize, n_kv: usize, window: Option<usize>) -> DenseConfig {
+fn geometry(head_dim: usize, n_heads: usize, n_kv: usize, window: Option<usize>) -> ModelConfig {
     let mut cfg = bench::shape("tiny").unwrap();
     cfg.head_dim = head_dim;
     cfg.n_heads = n_heads;
     cfg.n_kv_heads = n_kv;
     cfg.attn_scale = (head_dim as f32).powf(-0.5);
     for (l, spec) in cfg.layers.iter_mut().enumerate() {
-        spec.rope = Some(bench::rope(head_dim, 10000.0));
-        spec.window = if l == 0 { window } else { None };
+        spec.rope = Some(Rope::plain(head_dim, 10000.0, false, 1.0));
+        spec.sliding_window = if l == 0 { window } else { None };
     }
     cfg
 }
@@ -91,7 +98,7 @@ fn decode_attention_paths_match_prefill_across_geometries() {
                 .map(|i| (i * 97 + 5) % cfg.vocab as u32)
                 .collect();
             let w = DenseWeights::synthetic(&gpu, &cfg, 11).unwrap();
-            let mut m = DenseModel::new(gpu.clone(), cfg.clone(), w, 1200, 1200).unwrap();
+            let mut m = model(gpu.clone(), &cfg, w, 1200);
             m.prefill(&tokens).unwrap();
             let full = m.logits().unwrap();
             m.reset().unwrap();
@@ -135,7 +142,7 @@ fn decode_is_bit_identical_run_to_run() {
     cfg.intermediate = 5632;
     cfg.vocab = 8192;
     let w = DenseWeights::synthetic(&gpu, &cfg, 3).unwrap();
-    let mut m = DenseModel::new(gpu, cfg.clone(), w, 1200, 1200).unwrap();
+    let mut m = model(gpu, &cfg, w, 1200);
     for n in [20usize, 1030] {
         let prompt: Vec<u32> = (0..n as u32)
             .map(|i| (i * 131 + 17) % cfg.vocab as u32)

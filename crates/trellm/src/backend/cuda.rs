@@ -1,12 +1,12 @@
-//! The bridge to the CUDA backend (`trellm-cuda`): the decoder's `ModelConfig` and `Weights`
-//! become the GPU decoder's plain config and bf16 buffers, and the GPU decoder is checked against
-//! the CPU decoder in the same binary.
+//! The bridge to the CUDA backend (`trellm-cuda`): the GPU decoder uploads the model's weights
+//! (rounded to bf16) and runs its config and plan; it is checked against the CPU decoder in the
+//! same binary.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use anyhow::{anyhow, bail, ensure, Result};
-use trellm_cuda::dense::{self, DenseConfig, DenseModel, DenseWeights, HostLayer, HostNorm};
+use trellm_cuda::dense::{DenseModel, DenseWeights};
 use trellm_cuda::Gpu;
 
 use trellm_model::{Batch, ModelBackend, Want};
@@ -14,82 +14,10 @@ use trellm_model::{Batch, ModelBackend, Want};
 use super::cpu::CpuModel;
 use super::SoloSequence;
 use crate::engine::generate::PREFILL_STEP;
-use crate::model::config::{Activation, Mlp, ModelConfig, Norm, QkNorm};
+use crate::model::config::ModelConfig;
 use crate::model::weights::{LayerWeights, Linear, LinearWeight, Matrix, NormWeights, Weights};
 
 pub use trellm_cuda::{available, unavailable_reason};
-
-/// The GPU decoder's view of `cfg`; fails for what the CUDA path does not run yet.
-pub fn dense_config(cfg: &ModelConfig) -> Result<DenseConfig> {
-    let layers = cfg
-        .layers
-        .iter()
-        .map(|l| {
-            let rope = l.rope.as_ref().map(|r| dense::RopeSpec {
-                dims: r.dims,
-                interleaved: r.traditional,
-                position_scale: r.position_scale,
-                input_scale: r.input_scale.unwrap_or(1.0),
-                inv_freq: r.inv_freq(1),
-                dynamic: r.is_dynamic().then(|| {
-                    let r = r.clone();
-                    dense::InvFreqAt(Arc::new(move |len| r.inv_freq(len)))
-                }),
-            });
-            Ok(dense::LayerSpec {
-                window: l.sliding_window,
-                rope,
-            })
-        })
-        .collect::<Result<Vec<_>>>()?;
-    Ok(DenseConfig {
-        hidden: cfg.hidden,
-        intermediate: cfg.intermediate,
-        n_heads: cfg.n_heads,
-        n_kv_heads: cfg.n_kv_heads,
-        head_dim: cfg.head_dim,
-        vocab: cfg.vocab,
-        norm_eps: cfg.norm_eps,
-        norm: match cfg.norm {
-            Norm::Rms => dense::NormKind::Rms,
-            Norm::Layer => dense::NormKind::Layer,
-        },
-        pre_norms: cfg.pre_norms,
-        post_norms: cfg.post_norms,
-        qk_norm: match cfg.qk_norm {
-            QkNorm::None => dense::QkNormKind::None,
-            QkNorm::PerHead => dense::QkNormKind::PerHead,
-            QkNorm::Whole => dense::QkNormKind::Whole,
-        },
-        activation: match cfg.activation {
-            Activation::Silu => dense::Act::Silu,
-            Activation::GeluTanh => dense::Act::GeluTanh,
-            Activation::Gelu => dense::Act::Gelu,
-        },
-        gated: cfg.mlp == Mlp::Gated,
-        qkv_bias: cfg.qkv_bias,
-        o_bias: cfg.o_bias,
-        mlp_bias: cfg.mlp_bias,
-        tied_embeddings: cfg.tied_embeddings,
-        embed_scale: cfg.embed_scale,
-        residual_scale: cfg.residual_scale,
-        attn_scale: cfg.attn_scale,
-        attn_softcap: cfg.attn_softcap,
-        final_softcap: cfg.final_softcap,
-        logits_divisor: cfg.logits_divisor,
-        layers,
-    })
-}
-
-/// Appends `m`'s rows, decoded exactly and rounded to bf16.
-fn push_bf16(out: &mut Vec<u16>, m: &Matrix) {
-    let mut row = vec![0.0f32; m.cols];
-    out.reserve(m.rows * m.cols);
-    for r in 0..m.rows {
-        m.dequantize_row(r, &mut row);
-        out.extend(row.iter().map(|&v| dense::to_bf16(v)));
-    }
-}
 
 /// The matrix of a projection in a ggml format (EXL3 weights need the trellis kernels).
 fn ggml(l: &LinearWeight) -> Result<&Matrix> {
@@ -99,83 +27,16 @@ fn ggml(l: &LinearWeight) -> Result<&Matrix> {
     }
 }
 
-fn bf16_of(ls: &[&LinearWeight]) -> Result<Vec<u16>> {
-    let mut out = Vec::new();
-    for l in ls {
-        push_bf16(&mut out, ggml(l)?);
-    }
-    Ok(out)
-}
-
-fn host_norm(n: &NormWeights) -> HostNorm {
-    HostNorm {
-        w: n.w.clone(),
-        b: n.b.clone(),
-    }
-}
-
-/// Biases of several projections side by side (zeros where one has none); None if none has one.
-fn biases(ls: &[&Linear]) -> Option<Vec<f32>> {
-    if ls.iter().all(|l| l.b.is_none()) {
-        return None;
-    }
-    let mut v = Vec::new();
-    for l in ls {
-        match &l.b {
-            Some(b) => v.extend_from_slice(b),
-            None => v.extend(std::iter::repeat_n(0.0, l.w.rows())),
-        }
-    }
-    Some(v)
-}
-
-/// Uploads `weights` (any stored format, rounded to bf16) and builds the GPU decoder.
+/// Uploads `model`'s weights (any stored format, rounded to bf16) and builds the GPU decoder
+/// over its config and plan.
 pub fn upload(
     gpu: Arc<Gpu>,
-    cfg: &ModelConfig,
-    weights: &Weights,
+    model: &CpuModel,
     max_context: usize,
     max_prefill: usize,
 ) -> Result<DenseModel> {
-    let dc = dense_config(cfg)?;
-    let layers = weights.layers.iter().map(|lw| {
-        let gate_up = match &lw.gate {
-            Some(g) => vec![g, &lw.up],
-            None => vec![&lw.up],
-        };
-        Ok(HostLayer {
-            attn_norm: lw.attn_norm.as_ref().map(host_norm),
-            qkv: bf16_of(&[&lw.q.w, &lw.k.w, &lw.v.w])?,
-            qkv_bias: biases(&[&lw.q, &lw.k, &lw.v]),
-            q_norm: lw.q_norm.clone(),
-            k_norm: lw.k_norm.clone(),
-            o: bf16_of(&[&lw.o.w])?,
-            o_bias: lw.o.b.clone(),
-            post_attn_norm: lw.post_attn_norm.as_ref().map(host_norm),
-            ffn_norm: lw.ffn_norm.as_ref().map(host_norm),
-            gate_up: bf16_of(&gate_up.iter().map(|l| &l.w).collect::<Vec<_>>())?,
-            gate_up_bias: biases(&gate_up),
-            down: bf16_of(&[&lw.down.w])?,
-            down_bias: lw.down.b.clone(),
-            post_ffn_norm: lw.post_ffn_norm.as_ref().map(host_norm),
-        })
-    });
-    let mut embed = Vec::new();
-    push_bf16(&mut embed, &weights.embed);
-    let lm_head = if cfg.tied_embeddings {
-        None
-    } else {
-        Some(bf16_of(&[&weights.lm_head])?)
-    };
-    let w = DenseWeights::upload(
-        &gpu,
-        &dc,
-        &embed,
-        &host_norm(&weights.final_norm),
-        lm_head.as_deref(),
-        layers,
-    )?;
-    DenseModel::new(gpu, dc, w, max_context, max_prefill)
+    let w = DenseWeights::upload(&gpu, &model.cfg, &model.weights)?;
+    DenseModel::new(gpu, &model.cfg, &model.plan, w, max_context, max_prefill)
 }
 
 /// The GPU decoder behind the step contract, for one sequence at a time: its KV cache is the
@@ -206,7 +67,7 @@ impl CudaModel {
         }
         let gpu = Arc::new(Gpu::new(0)?);
         let cap = capacity.clamp(1, model.cfg.max_context.max(1));
-        let dense = upload(gpu, &model.cfg, &model.weights, cap, cap.min(PREFILL_STEP))?;
+        let dense = upload(gpu, model, cap, cap.min(PREFILL_STEP))?;
         Ok(CudaModel {
             cfg: model.cfg.clone(),
             dense: Mutex::new(SendDense(dense)),
@@ -388,7 +249,7 @@ pub fn check_against_cpu(model_path: &Path, steps: usize) -> Result<CheckReport>
         .collect();
     let ctx = prompt.len() + steps + 1;
     let gpu = Arc::new(Gpu::new(0)?);
-    let mut g = upload(gpu, cfg, &model.weights, ctx, prompt.len())?;
+    let mut g = upload(gpu, model, ctx, prompt.len())?;
 
     let mut cpu = SoloSequence::new(model, ctx)?;
     let mut cpu_logits = cpu.forward(&prompt, Want::Last)?;
