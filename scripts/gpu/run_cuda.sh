@@ -2,9 +2,11 @@
 # One GPU run of the CUDA backend: a smoke run of the tiny shape, the GPU-against-CPU check on
 # every tiny fixture, the Llama-3.1-8B-shape benchmark (twice, for the run-to-run spread), and
 # the GPU tests whose binaries scripts/gpu/carry_tests.sh put in .device/tests (with --ignored).
-# Results go to $OUT.   run: bash scripts/gpu/run_cuda.sh   (binary at .device/trellm, carried)
+# Results go to $OUT.   run: bash scripts/gpu/run_cuda.sh   (binary at .device/trellm, carried;
+# DEV=<folder> for binaries carried elsewhere)
 set -u
-BIN=${BIN:-.device/trellm}
+DEV=${DEV:-.device}
+BIN=${BIN:-$DEV/trellm}
 OUT=${OUT:-/tmp/trellm-gpu-out}
 mkdir -p "$OUT"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
@@ -29,7 +31,7 @@ benches() {
     done
 }
 # `trellm generate --device cuda` against --device cpu on two fixtures (greedy ids), and the
-# GPU tests of the test suite whose binaries were carried in .device/tests/ (scripts/gpu/
+# GPU tests of the test suite whose binaries were carried in $DEV/tests/ (scripts/gpu/
 # carry_tests.sh puts them there; SRC_ROOT is the checkout they were built in).
 echo "== generate --device cuda vs cpu"
 for m in llama qwen3; do
@@ -39,7 +41,7 @@ for m in llama qwen3; do
 done | tee "$OUT/generate.txt"
 echo "== bench --device cuda on a model folder"
 "$BIN" bench --device cuda -M tests/fixtures/tiny/llama -p 64 -n 32 -r 3 --json 2>&1 | tee "$OUT/bench_model.json"
-for t in .device/tests/*; do
+for t in "$DEV"/tests/*; do
     [ -x "$t" ] || continue
     echo "== test binary $(basename "$t") (carried)"
     # SRC_ROOT: the checkout the binaries were built in (their fixture paths are compiled in).
