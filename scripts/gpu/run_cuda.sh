@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU run of the CUDA backend: a smoke run of the tiny shape, the GPU-against-CPU check on
-# every tiny fixture, the Llama-3.1-8B-shape benchmark (twice, for the run-to-run spread), and
+# every tiny fixture, the Llama-3.1-8B-shape benchmark (twice, for the run-to-run spread) and its
+# batched steps (B = 1..64, as llama-batched-bench), and
 # the GPU tests whose binaries scripts/gpu/carry_tests.sh put in .device/tests (with --ignored).
 # Results go to $OUT.   run: bash scripts/gpu/run_cuda.sh   (binary at .device/trellm, carried;
 # DEV=<folder> for binaries carried elsewhere)
@@ -41,6 +42,7 @@ for m in llama qwen3; do
 done | tee "$OUT/generate.txt"
 echo "== bench --device cuda on a model folder"
 "$BIN" bench --device cuda -M tests/fixtures/tiny/llama -p 64 -n 32 -r 3 --json 2>&1 | tee "$OUT/bench_model.json"
+"$BIN" bench --device cuda -M tests/fixtures/tiny/llama --batch 1,4,16 -p 32 -n 16 --json 2>&1 | tee -a "$OUT/bench_model.json"
 for t in "$DEV"/tests/*; do
     [ -x "$t" ] || continue
     echo "== test binary $(basename "$t") (carried)"
@@ -51,4 +53,7 @@ for t in "$DEV"/tests/*; do
 done
 checks
 benches default default_again
+echo "== llama-3.1-8b shape, batched (as llama-batched-bench)  (t=${SECONDS}s)"
+timeout 300 "$BIN" bench --device cuda --shape llama-3.1-8b --batch ${BATCHES:-1,2,4,8,16,32,64} -p 512 -n 128 \
+    --json 2>&1 | tee "$OUT/batched_8b.jsonl"
 echo "== done (t=${SECONDS}s)"

@@ -31,7 +31,7 @@ use trellm_model::plan::{
     AttentionOp, GluEpilogue, LayerPlan, NormOp, Op, QkvEpilogue, ResidualEpilogue,
 };
 use trellm_model::weights::{LinearWeight, Matrix, NormWeights, Weights};
-use trellm_model::{ModelConfig, Plan};
+use trellm_model::{Batch, ModelConfig, Plan, Want};
 
 use crate::kernels;
 use crate::{Arg, Gpu};
@@ -433,6 +433,9 @@ impl DenseWeights {
 /// Decode attention blocks to aim for when the splits share the actual context (H200 runs 6-7:
 /// 256 blocks, one 32-key tile each at ctx 512-640, beat 128 and 512).
 const DECODE_BLOCKS: usize = 256;
+/// The same for a batch of tokens: one split each (256 blocks of 20 serial tiles at B = 32) cost
+/// 2.2 ms a step at B = 64, 8B shape (H200, run 18); a few waves of short splits hide latency.
+const BATCH_DECODE_BLOCKS: usize = 1024;
 /// Keys per decode attention tile (`KT` in attention.cu): a split holds whole tiles.
 const ATT_KEYS: usize = 32;
 /// Rotary pairs per block of the qkv GEMV with rope (`QKV_PAIRS` in gemv.cu).
@@ -444,6 +447,10 @@ const SS_BUCKETS: usize = 16;
 /// Query rows per attention block (`ATT_ROWS` in attention.cu).
 const ATT_ROWS: usize = 4;
 const ARGMAX_BLOCKS: usize = 128;
+/// Positions per block of a paged KV cache (the engine's `BLOCK_SIZE`).
+pub const KV_BLOCK: usize = 16;
+/// Most sequences one pass of a batch step takes (the step is split into passes beyond).
+pub const MAX_SEQS: usize = 64;
 
 /// The decoder's sizes and thresholds; the defaults are the measured best on the H200
 /// (scripts/gpu/NOTES.md). What measured worse was deleted rather than kept behind a switch: PDL
@@ -486,6 +493,8 @@ struct Funcs {
     attn_combine: CudaFunction,
     attn_softmax: CudaFunction,
     attn_unstack: CudaFunction,
+    kv_gather: CudaFunction,
+    gather_rows: CudaFunction,
     gemv_f32: CudaFunction,
     gemv_qkv_rope: CudaFunction,
     gemv_res: CudaFunction,
@@ -526,6 +535,17 @@ struct Buffers {
     /// Decode's deferred-norm sums of squares, `SS_BUCKETS` integer buckets a slot: layer l's o
     /// GEMV fills slot 2l, its down GEMV slot 2l + 1 (see gemv_res and ss_add in gemv.cu).
     ss: CudaSlice<u64>,
+    /// A batch step's block tables (every sequence's, one after the other), each token's offset
+    /// into them, the tokens decode attention takes (one-token sequences), the rows whose logits
+    /// are wanted and those rows of xn gathered; one sequence's keys and values gathered
+    /// contiguous for the prefill GEMMs.
+    tables: CudaSlice<i32>,
+    table_off: CudaSlice<i32>,
+    tok_idx: CudaSlice<i32>,
+    rows: CudaSlice<i32>,
+    sel: CudaSlice<u16>,
+    k_gather: CudaSlice<u16>,
+    v_gather: CudaSlice<u16>,
 }
 
 /// A model on the GPU with its KV cache (one sequence).
@@ -547,6 +567,9 @@ pub struct DenseModel {
     rope_tables: Vec<Option<Vec<f32>>>,
     /// The decode graphs, captured on first use: [split attention + combine, cluster attention].
     graphs: [Option<CudaGraph>; 2],
+    /// Graphs of one-token batch passes over a paged cache, by (the cache's id, cluster
+    /// attention): inputs are read from the step buffers, written before each replay.
+    paged_graphs: Vec<((u64, bool), CudaGraph)>,
     /// Query tokens per chunk of the GEMM attention (bounds the score buffer).
     attn_rows: usize,
     opts: Options,
@@ -565,6 +588,41 @@ struct Inputs {
     /// Keys in the cache once these rows are written (positions are `kv_len - m..kv_len`).
     kv_len: usize,
 }
+
+/// A sequence's tokens `off..off + len` of a pass, at positions `start..`, whose attention runs
+/// through the prefill GEMMs; `table`: its block table on the device (0: the contiguous cache).
+#[derive(Clone, Copy, Debug)]
+struct Seg {
+    off: usize,
+    len: usize,
+    start: usize,
+    table: u64,
+}
+
+/// A pass of a batch step over a paged cache.
+struct Paged<'a> {
+    kv: &'a PagedKv,
+    tables: u64,
+    table_off: u64,
+    /// The tokens whose attention runs in attn_partial (those of one-token sequences).
+    tok_idx: u64,
+    singles: usize,
+    segs: Vec<Seg>,
+    /// Rows of the pass whose logits are wanted (listed in `Buffers::rows`).
+    rows: usize,
+}
+
+/// A KV cache of `blocks` blocks of `KV_BLOCK` positions on the device, per layer keys and
+/// values `[slot][kv_head][head_dim]` (bf16), slot = block * KV_BLOCK + position in the block.
+pub struct PagedKv {
+    k: Vec<CudaSlice<u16>>,
+    v: Vec<CudaSlice<u16>>,
+    pub blocks: usize,
+    /// Unique for the process's life (graphs captured over this cache are keyed by it).
+    id: u64,
+}
+
+static NEXT_KV_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 impl DenseModel {
     /// The decoder with the default [`Options`].
@@ -625,6 +683,8 @@ impl DenseModel {
             attn_combine: gpu.function(&kernels::ATTENTION, &hd, "attn_combine")?,
             attn_softmax: gpu.function(&kernels::ATTENTION, &hd, "attn_softmax")?,
             attn_unstack: gpu.function(&kernels::ATTENTION, &hd, "attn_unstack")?,
+            kv_gather: gpu.function(&kernels::ATTENTION, &hd, "kv_gather")?,
+            gather_rows: e("gather_rows")?,
             gemv_f32: g("gemv_f32")?,
             gemv_qkv_rope: g("gemv_qkv_rope")?,
             gemv_res: g("gemv_res")?,
@@ -633,9 +693,9 @@ impl DenseModel {
         };
         let t = max_prefill;
         let h = cfg.hidden;
-        // Attention partials: one token's heads, each with up to the decode split count.
-        let splits = decode_splits(cfg, max_context).max(opts.cluster);
-        let part_rows = cfg.n_heads * splits;
+        // Attention partials: up to MAX_SEQS tokens' heads, each with up to the decode split count.
+        let splits = decode_splits(cfg, max_context, 1).max(opts.cluster);
+        let part_rows = MAX_SEQS * cfg.n_heads * splits;
         let kv = max_context * cfg.kv_dim();
         let attn_rows = (opts.attn_score_budget / (cfg.n_heads * max_context)).clamp(1, t);
         let score_elems = cfg.n_heads * attn_rows * (max_context + 8);
@@ -648,7 +708,7 @@ impl DenseModel {
             y: gpu.alloc(t * h)?,
             gu: gpu.alloc(t * cfg.gate_up_rows())?,
             act: gpu.alloc(t * cfg.intermediate)?,
-            logits: gpu.alloc(cfg.vocab)?,
+            logits: gpu.alloc(MAX_SEQS * cfg.vocab)?,
             part_acc: gpu.alloc(part_rows * cfg.head_dim)?,
             part_ml: gpu.alloc(part_rows * 2)?,
             argmax: gpu.alloc(ARGMAX_BLOCKS)?,
@@ -669,6 +729,13 @@ impl DenseModel {
             scores: gpu.alloc(score_elems)?,
             probs: gpu.alloc(score_elems)?,
             ss: gpu.alloc(2 * cfg.n_layers() * SS_BUCKETS)?,
+            tables: gpu.alloc(MAX_SEQS * max_context.div_ceil(KV_BLOCK) + t)?,
+            table_off: gpu.alloc(t)?,
+            tok_idx: gpu.alloc(t.min(MAX_SEQS))?,
+            rows: gpu.alloc(MAX_SEQS)?,
+            sel: gpu.alloc(MAX_SEQS * h)?,
+            k_gather: gpu.alloc(kv)?,
+            v_gather: gpu.alloc(kv)?,
         };
         let rope_tables = ops
             .iter()
@@ -687,6 +754,7 @@ impl DenseModel {
             len: 0,
             rope_tables,
             graphs: [None, None],
+            paged_graphs: Vec::new(),
             attn_rows,
             opts,
         })
@@ -734,7 +802,7 @@ impl DenseModel {
                 cluster: false,
                 kv_len: self.len + n,
             };
-            self.enqueue(inp)?;
+            self.enqueue(inp, None)?;
             self.len += n;
             done += n;
         }
@@ -771,7 +839,7 @@ impl DenseModel {
         let inp = self.decode_inputs(cluster);
         g.spin(20.0)?;
         g.start_profile();
-        let r = self.enqueue(inp);
+        let r = self.enqueue(inp, None);
         let prof = g.finish_profile();
         r?;
         self.len += 1;
@@ -852,7 +920,7 @@ impl DenseModel {
         g.sync()?;
         g.stream
             .begin_capture(dsys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-        let r = self.enqueue(inp);
+        let r = self.enqueue(inp, None);
         let graph = g
             .stream
             .end_capture(dsys::CUgraphInstantiate_flags(0))
@@ -915,7 +983,249 @@ impl DenseModel {
 
     /// The last computed logits (synchronises).
     pub fn logits(&self) -> Result<Vec<f32>> {
-        Ok(self.gpu.stream.clone_dtoh(&self.b.logits)?)
+        Ok(self
+            .gpu
+            .stream
+            .clone_dtoh(&self.b.logits.slice(0..self.cfg.vocab))?)
+    }
+
+    /// A paged KV cache of `blocks` blocks of `KV_BLOCK` positions for
+    /// [`step_batch`](Self::step_batch).
+    pub fn paged_kv(&self, blocks: usize) -> Result<PagedKv> {
+        let n = (blocks * KV_BLOCK * self.cfg.kv_dim()).max(1);
+        let layers = || -> Result<Vec<CudaSlice<u16>>> {
+            (0..self.cfg.n_layers())
+                .map(|_| self.gpu.alloc::<u16>(n))
+                .collect()
+        };
+        Ok(PagedKv {
+            k: layers()?,
+            v: layers()?,
+            blocks,
+            id: NEXT_KV_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+        })
+    }
+
+    /// Copies whole blocks `(src, dst)` of every layer's keys and values (copy-on-write of a
+    /// shared block before it is extended).
+    pub fn copy_blocks(&self, kv: &mut PagedKv, copies: &[(u32, u32)]) -> Result<()> {
+        let bytes = KV_BLOCK * self.cfg.kv_dim() * 2;
+        for &(src, dst) in copies {
+            ensure!(
+                (src as usize) < kv.blocks && (dst as usize) < kv.blocks && src != dst,
+                "copy of block {src} to {dst} in a cache of {} blocks",
+                kv.blocks
+            );
+            for buf in kv.k.iter().chain(&kv.v) {
+                let base = self.gpu.ptr(buf);
+                // SAFETY: both ranges lie inside `buf` (checked above) and do not overlap; the
+                // copy is ordered on the model's stream.
+                unsafe {
+                    cudarc::driver::result::memcpy_dtod_async(
+                        base + (dst as usize * bytes) as u64,
+                        base + (src as usize * bytes) as u64,
+                        bytes,
+                        self.gpu.stream.cu_stream(),
+                    )
+                }
+                .context("copying a KV block")?;
+            }
+        }
+        Ok(())
+    }
+
+    /// One step of an engine batch over the paged cache `kv`: every sequence's new tokens at
+    /// its positions, keys and values written through its block table; returns the wanted
+    /// logits, `vocab` a row, sequence by sequence. One-token sequences take the decode
+    /// attention, longer runs the prefill GEMMs (their keys gathered from the blocks). A step of
+    /// more than `max_prefill` tokens or `MAX_SEQS` sequences runs as several passes (a
+    /// sequence may be split between them: its later tokens read the keys the earlier wrote).
+    pub fn step_batch(&mut self, batch: &Batch, kv: &PagedKv) -> Result<Vec<f32>> {
+        // Dynamic RoPE's tables follow one sequence's length: one sequence a pass.
+        let dynamic = self
+            .ops
+            .iter()
+            .any(|o| o.qkv.rope.as_ref().is_some_and(|r| r.is_dynamic()));
+        let mut out = Vec::with_capacity(batch.logit_rows() * self.cfg.vocab);
+        let mut pass: Vec<(usize, usize, usize)> = Vec::new();
+        let mut n_tok = 0;
+        for (i, s) in batch.seqs.iter().enumerate() {
+            ensure!(
+                s.want != Want::All,
+                "logits at every prompt position (--prompt-logprobs) are computed on the CPU only; drop --device cuda"
+            );
+            ensure!(
+                s.offset + s.len <= batch.tokens.len(),
+                "sequence {i}: tokens out of range"
+            );
+            ensure!(
+                s.start + s.len <= self.max_context,
+                "the context is full ({} positions on the GPU)",
+                self.max_context
+            );
+            ensure!(
+                s.blocks.len() * KV_BLOCK >= s.start + s.len
+                    && s.blocks.iter().all(|&b| (b as usize) < kv.blocks),
+                "sequence {i}: its blocks do not hold positions 0..{}",
+                s.start + s.len
+            );
+            let mut from = 0;
+            while from < s.len {
+                if n_tok == self.max_prefill
+                    || pass.len() == MAX_SEQS
+                    || (dynamic && !pass.is_empty())
+                {
+                    self.run_pass(batch, &pass, kv, &mut out)?;
+                    pass.clear();
+                    n_tok = 0;
+                }
+                let n = (s.len - from).min(self.max_prefill - n_tok);
+                pass.push((i, from, n));
+                n_tok += n;
+                from += n;
+            }
+        }
+        if !pass.is_empty() {
+            self.run_pass(batch, &pass, kv, &mut out)?;
+        }
+        Ok(out)
+    }
+
+    /// [`step_batch`](Self::step_batch) with every kernel and cuBLAS call timed (queued behind
+    /// a spin, as [`profile_decode_step`](Self::profile_decode_step)).
+    pub fn profile_step_batch(
+        &mut self,
+        batch: &Batch,
+        kv: &PagedKv,
+    ) -> Result<Vec<crate::KernelTime>> {
+        let g = self.gpu.clone();
+        g.spin(20.0)?;
+        g.start_profile();
+        let r = self.step_batch(batch, kv);
+        let prof = g.finish_profile();
+        r?;
+        prof
+    }
+
+    /// One pass of [`step_batch`](Self::step_batch): `pieces` are (sequence, first new token,
+    /// tokens).
+    fn run_pass(
+        &mut self,
+        batch: &Batch,
+        pieces: &[(usize, usize, usize)],
+        kv: &PagedKv,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        let g = self.gpu.clone();
+        let table_base = g.ptr(&self.b.tables);
+        let (mut tokens, mut pos, mut toff) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut tables, mut tok_idx, mut rows, mut segs) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut seq_len = 0;
+        for &(i, from, n) in pieces {
+            let s = &batch.seqs[i];
+            let t0 = tokens.len();
+            let first = s.offset + from;
+            tokens.extend(batch.tokens[first..first + n].iter().map(|&t| t as i32));
+            pos.extend((s.start + from..s.start + from + n).map(|p| p as i32));
+            let off = tables.len();
+            tables.extend(s.blocks.iter().map(|&b| b as i32));
+            toff.extend(std::iter::repeat_n(off as i32, n));
+            seq_len = seq_len.max(s.start + from + n);
+            if n == 1 {
+                tok_idx.push(t0 as i32);
+            } else {
+                segs.push(Seg {
+                    off: t0,
+                    len: n,
+                    start: s.start + from,
+                    table: table_base + 4 * off as u64,
+                });
+            }
+            if from + n == s.len && s.want == Want::Last {
+                rows.push((t0 + n - 1) as i32);
+            }
+        }
+        ensure!(
+            tables.len() <= self.b.tables.len(),
+            "block tables of {} entries (room for {})",
+            tables.len(),
+            self.b.tables.len()
+        );
+        ensure!(
+            tokens.iter().all(|&t| (t as usize) < self.cfg.vocab),
+            "a token id beyond the vocabulary ({})",
+            self.cfg.vocab
+        );
+        self.refresh_rope(seq_len)?;
+        let b = &mut self.b;
+        g.stream.memcpy_htod(&tokens, &mut b.tokens)?;
+        g.stream.memcpy_htod(&pos, &mut b.pos)?;
+        g.stream.memcpy_htod(&toff, &mut b.table_off)?;
+        g.stream.memcpy_htod(&tables, &mut b.tables)?;
+        if !tok_idx.is_empty() {
+            g.stream.memcpy_htod(&tok_idx, &mut b.tok_idx)?;
+        }
+        if !rows.is_empty() {
+            g.stream.memcpy_htod(&rows, &mut b.rows)?;
+        }
+        let m = tokens.len();
+        let inp = Inputs {
+            m,
+            tokens: g.ptr(&self.b.tokens),
+            pos: g.ptr(&self.b.pos),
+            decode: false,
+            cluster: m == 1 && self.cluster_attention(pos[0] as usize + 1),
+            kv_len: 0,
+        };
+        let pg = Paged {
+            kv,
+            tables: table_base,
+            table_off: g.ptr(&self.b.table_off),
+            tok_idx: g.ptr(&self.b.tok_idx),
+            singles: tok_idx.len(),
+            segs,
+            rows: rows.len(),
+        };
+        if m == 1 && pg.rows == 1 && !g.profiling() {
+            // One token (batch 1 decode): replay a graph of the pass, captured on first use.
+            let key = (kv.id, inp.cluster);
+            let i = match self.paged_graphs.iter().position(|(k, _)| *k == key) {
+                Some(i) => i,
+                None => {
+                    if self.paged_graphs.len() >= 4 {
+                        self.paged_graphs.clear();
+                    }
+                    g.sync()?;
+                    g.stream.begin_capture(
+                        dsys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+                    )?;
+                    let r = self.enqueue(inp, Some(&pg));
+                    let graph = g
+                        .stream
+                        .end_capture(dsys::CUgraphInstantiate_flags(0))
+                        .context("capturing a batch pass");
+                    r?;
+                    let graph = graph?.ok_or_else(|| anyhow!("empty graph"))?;
+                    graph.upload()?;
+                    self.paged_graphs.push((key, graph));
+                    self.paged_graphs.len() - 1
+                }
+            };
+            self.paged_graphs[i].1.launch()?;
+        } else {
+            self.enqueue(inp, Some(&pg))?;
+        }
+        if !rows.is_empty() {
+            // Straight into the step's output (one copy, no temporary).
+            let n = rows.len() * self.cfg.vocab;
+            let at = out.len();
+            out.resize(at + n, 0.0);
+            g.stream
+                .memcpy_dtoh(&self.b.logits.slice(0..n), &mut out[at..])?;
+            g.stream.synchronize()?;
+        }
+        Ok(())
     }
 
     /// The pending next token (the last argmax; synchronises).
@@ -976,7 +1286,7 @@ impl DenseModel {
             })
     }
 
-    fn enqueue(&self, inp: Inputs) -> Result<()> {
+    fn enqueue(&self, inp: Inputs, pg: Option<&Paged>) -> Result<()> {
         let (g, c, f, b) = (&*self.gpu, &self.cfg, &self.f, &self.b);
         let m = inp.m;
         let (h, hd) = (c.hidden, c.head_dim);
@@ -1026,14 +1336,33 @@ impl DenseModel {
             ],
         )?;
         let group = c.n_heads / c.n_kv_heads;
-        let splits = if inp.decode && inp.cluster {
+        let splits = if inp.cluster {
             self.opts.cluster
-        } else if inp.decode {
-            decode_splits(c, self.max_context)
+        } else if inp.decode || pg.is_some() {
+            decode_splits(c, self.max_context, pg.map_or(1, |pp| pp.singles))
         } else {
             1
         };
-        let gemm_attn = m > 1;
+        // Which tokens' attention runs where: one-token sequences in attn_partial (a list of
+        // them, or token 0 alone), longer runs of one sequence through the prefill GEMMs.
+        let (singles, segs, tabs) = match pg {
+            None if m == 1 => (Some((0u64, 1usize)), Vec::new(), (0, 0)),
+            None => {
+                let seg = Seg {
+                    off: 0,
+                    len: m,
+                    start: inp.kv_len - m,
+                    table: 0,
+                };
+                (None, vec![seg], (0, 0))
+            }
+            Some(pp) => (
+                (pp.singles > 0).then_some((pp.tok_idx, pp.singles)),
+                pp.segs.clone(),
+                (pp.tables, pp.table_off),
+            ),
+        };
+        let gemm_attn = !segs.is_empty();
         // Deferred norms (decode): the sum of squares the next GEMV scales by (0: xn is final).
         let epi = m == 1 && self.res_epi();
         let ss_slot = |i: usize| g.ptr(&b.ss) + (8 * SS_BUCKETS * i) as u64;
@@ -1041,7 +1370,10 @@ impl DenseModel {
         for (l, (lw, ops)) in self.w.layers.iter().zip(&self.ops).enumerate() {
             let rope = ops.qkv.rope.as_ref();
             let attn = &ops.attn;
-            let (kc, vc) = (g.ptr(&b.k_cache[l]), g.ptr(&b.v_cache[l]));
+            let (kc, vc) = match pg {
+                Some(pp) => (g.ptr(&pp.kv.k[l]), g.ptr(&pp.kv.v[l])),
+                None => (g.ptr(&b.k_cache[l]), g.ptr(&b.v_cache[l])),
+            };
             let qkv_norm = if epi {
                 (pending_ss, ss_slot(2 * l))
             } else {
@@ -1076,20 +1408,31 @@ impl DenseModel {
                         na[1],
                         na[2],
                         na[3],
+                        Arg::Ptr(tabs.0),
+                        Arg::Ptr(tabs.1),
+                        Arg::I32(KV_BLOCK as i32),
                     ],
                 )?;
             } else {
-                self.qkv_rope(m, &inp, lw, ops, l, gemm_attn, qkv_norm)?;
+                let q_out = singles.is_some();
+                self.qkv_rope(
+                    m,
+                    &inp,
+                    lw,
+                    ops,
+                    (kc, vc),
+                    (gemm_attn, q_out),
+                    qkv_norm,
+                    tabs,
+                )?;
             }
-            if gemm_attn {
-                self.attention_gemm(m, &inp, attn, kc, vc)?;
-            } else {
-                let fused = inp.decode && inp.cluster;
+            if let Some((list, n)) = singles {
+                let fused = inp.cluster;
                 g.launch_cluster(
                     &f.attn_partial,
                     (
                         c.n_kv_heads as u32,
-                        (m * group).div_ceil(ATT_ROWS) as u32,
+                        (n * group.div_ceil(ATT_ROWS)) as u32,
                         splits as u32,
                     ),
                     128,
@@ -1099,7 +1442,7 @@ impl DenseModel {
                         Arg::Ptr(kc),
                         Arg::Ptr(vc),
                         Arg::Ptr(inp.pos),
-                        Arg::I32(m as i32),
+                        Arg::Ptr(list),
                         Arg::I32(c.n_heads as i32),
                         Arg::I32(c.n_kv_heads as i32),
                         Arg::I32(attn.window.unwrap_or(0) as i32),
@@ -1108,21 +1451,49 @@ impl DenseModel {
                         Arg::Ptr(p(&b.part_acc)),
                         Arg::Ptr(p(&b.part_ml)),
                         Arg::Ptr(if fused { g.ptr(&b.attn) } else { 0 }),
+                        Arg::Ptr(tabs.0),
+                        Arg::Ptr(tabs.1),
+                        Arg::I32(KV_BLOCK as i32),
                     ],
                 )?;
                 if !fused {
                     g.launch(
                         &f.attn_combine,
-                        ((m * c.n_heads) as u32, 1, 1),
+                        ((n * c.n_heads) as u32, 1, 1),
                         hd.min(128).next_multiple_of(32) as u32,
                         &[
                             Arg::Ptr(p(&b.part_acc)),
                             Arg::Ptr(p(&b.part_ml)),
                             Arg::I32(splits as i32),
+                            Arg::Ptr(list),
+                            Arg::I32(c.n_heads as i32),
                             Arg::Ptr(g.ptr(&b.attn)),
                         ],
                     )?;
                 }
+            }
+            for seg in &segs {
+                let (kg, vg) = if seg.table != 0 {
+                    // The sequence's keys and values, contiguous, for the GEMMs.
+                    g.launch(
+                        &f.kv_gather,
+                        ((seg.start + seg.len) as u32, 1, 1),
+                        128,
+                        &[
+                            Arg::Ptr(kc),
+                            Arg::Ptr(vc),
+                            Arg::Ptr(seg.table),
+                            Arg::I32(KV_BLOCK as i32),
+                            Arg::I32(c.kv_dim() as i32),
+                            Arg::Ptr(g.ptr(&b.k_gather)),
+                            Arg::Ptr(g.ptr(&b.v_gather)),
+                        ],
+                    )?;
+                    (g.ptr(&b.k_gather), g.ptr(&b.v_gather))
+                } else {
+                    (kc, vc)
+                };
+                self.attention_gemm(m, &inp, attn, kg, vg, *seg)?;
             }
             let (pw, pb) = pn(&lw.post_attn_norm);
             let (nw, nbias) = pn(&lw.ffn_norm);
@@ -1197,11 +1568,48 @@ impl DenseModel {
             }
         }
 
-        // Logits of the last row.
         let head = self.w.lm_head.as_ref().unwrap_or(&self.w.embed);
-        let last = xn + 2 * ((m - 1) * h) as u64;
         let logits = p(&b.logits);
-        self.gemv(last, g.ptr(head), c.vocab, h, logits, (pending_ss, 0))?;
+        match pg {
+            // The wanted rows of a batch pass, gathered, through one GEMM.
+            Some(pp) if m > 1 => {
+                if pp.rows == 0 {
+                    return Ok(());
+                }
+                let sel = g.ptr(&b.sel);
+                g.launch(
+                    &f.gather_rows,
+                    (pp.rows as u32, 1, 1),
+                    256,
+                    &[
+                        Arg::Ptr(xn),
+                        Arg::Ptr(g.ptr(&b.rows)),
+                        Arg::I32(h as i32),
+                        Arg::Ptr(sel),
+                    ],
+                )?;
+                self.matmul(pp.rows, sel, g.ptr(head), c.vocab, h, logits)?;
+                // Soft-capping and the divisor, in place (the argmax is not used).
+                return g.launch(
+                    &f.argmax_partial,
+                    (ARGMAX_BLOCKS as u32, 1, 1),
+                    1024,
+                    &[
+                        Arg::Ptr(logits),
+                        Arg::I32((pp.rows * c.vocab) as i32),
+                        Arg::F32(self.plan.logits.softcap.unwrap_or(0.0)),
+                        Arg::F32(self.plan.logits.divisor.unwrap_or(0.0)),
+                        Arg::Ptr(g.ptr(&b.argmax)),
+                    ],
+                );
+            }
+            Some(pp) if pp.rows == 0 => return Ok(()),
+            // Logits of the last row.
+            _ => {
+                let last = xn + 2 * ((m - 1) * h) as u64;
+                self.gemv(last, g.ptr(head), c.vocab, h, logits, (pending_ss, 0))?;
+            }
+        }
         g.launch(
             &f.argmax_partial,
             (ARGMAX_BLOCKS as u32, 1, 1),
@@ -1235,8 +1643,9 @@ impl DenseModel {
         Ok(())
     }
 
-    /// The qkv projection, q/k norms, RoPE and the cache write of `m` rows; q goes to the f32
-    /// buffer, or stacked as bf16 for the GEMM attention (`stacked`).
+    /// The qkv projection, q/k norms, RoPE and the cache write (`kv`, through the block tables
+    /// `tabs` if given) of `m` rows; q goes stacked as bf16 for the GEMM attention and/or to the
+    /// f32 buffer (`(stacked, f32)`).
     #[allow(clippy::too_many_arguments)]
     fn qkv_rope(
         &self,
@@ -1244,9 +1653,10 @@ impl DenseModel {
         inp: &Inputs,
         lw: &LayerBuffers,
         ops: &LayerOps,
-        l: usize,
-        stacked: bool,
+        (kc, vc): (u64, u64),
+        (stacked, q_f32): (bool, bool),
         norm: (u64, u64),
+        tabs: (u64, u64),
     ) -> Result<()> {
         let (g, c, f, b) = (&*self.gpu, &self.cfg, &self.f, &self.b);
         let (h, hd) = (c.hidden, c.head_dim);
@@ -1305,10 +1715,13 @@ impl DenseModel {
                 Arg::F32(rope.map_or(1.0, |r| r.position_scale)),
                 Arg::F32(rope.and_then(|r| r.input_scale).unwrap_or(1.0)),
                 Arg::F32(ops.attn.scale),
-                Arg::Ptr(g.ptr(&b.q)),
-                Arg::Ptr(g.ptr(&b.k_cache[l])),
-                Arg::Ptr(g.ptr(&b.v_cache[l])),
+                Arg::Ptr(if q_f32 { g.ptr(&b.q) } else { 0 }),
+                Arg::Ptr(kc),
+                Arg::Ptr(vc),
                 Arg::Ptr(if stacked { g.ptr(&b.q_stacked) } else { 0 }),
+                Arg::Ptr(tabs.0),
+                Arg::Ptr(tabs.1),
+                Arg::I32(KV_BLOCK as i32),
             ],
         )
     }
@@ -1324,12 +1737,14 @@ impl DenseModel {
         attn: &AttentionOp,
         kc: u64,
         vc: u64,
+        seg: Seg,
     ) -> Result<()> {
         let (g, c, f, b) = (&*self.gpu, &self.cfg, &self.f, &self.b);
         let (hd, nkv) = (c.head_dim, c.n_kv_heads);
         let group = c.n_heads / nkv;
         let kvd = c.kv_dim();
-        let first = inp.kv_len - m;
+        let first = seg.start;
+        let pos = inp.pos + 4 * seg.off as u64;
         let (qs, os) = (g.ptr(&b.q_stacked), g.ptr(&b.o_stacked));
         let (sc, pr) = (g.ptr(&b.scores), g.ptr(&b.probs));
         let f32t = bsys::cudaDataType::CUDA_R_32F;
@@ -1337,12 +1752,12 @@ impl DenseModel {
         let trans = bsys::cublasOperation_t::CUBLAS_OP_T;
         let none = bsys::cublasOperation_t::CUBLAS_OP_N;
         let mut t0 = 0;
-        while t0 < m {
-            let tn = self.attn_rows.min(m - t0);
+        while t0 < seg.len {
+            let tn = self.attn_rows.min(seg.len - t0);
             let n_keys = first + t0 + tn;
             let ld = n_keys.next_multiple_of(8);
             let rows = tn * group;
-            let q0 = qs + 2 * (t0 * group * hd) as u64;
+            let q0 = qs + 2 * ((seg.off + t0) * group * hd) as u64;
             // Column-major S^T (keys x rows) = K (keys x hd) . Q^T (hd x rows), per kv head.
             gemm_batched(
                 g,
@@ -1362,7 +1777,7 @@ impl DenseModel {
                     Arg::I32(ld as i32),
                     Arg::I32(n_keys as i32),
                     Arg::I32(rows as i32),
-                    Arg::Ptr(inp.pos),
+                    Arg::Ptr(pos),
                     Arg::I32(t0 as i32),
                     Arg::I32(group as i32),
                     Arg::I32(attn.window.unwrap_or(0) as i32),
@@ -1377,20 +1792,26 @@ impl DenseModel {
                 (hd, rows, n_keys),
                 (vc, bf16t, kvd, hd),
                 (pr, bf16t, ld, rows * ld),
-                (os + 2 * (t0 * group * hd) as u64, bf16t, hd, m * group * hd),
+                (
+                    os + 2 * ((seg.off + t0) * group * hd) as u64,
+                    bf16t,
+                    hd,
+                    m * group * hd,
+                ),
                 nkv,
             )?;
             t0 += tn;
         }
         g.launch(
             &f.attn_unstack,
-            (m as u32, 1, 1),
+            (seg.len as u32, 1, 1),
             256,
             &[
                 Arg::Ptr(os),
                 Arg::I32(m as i32),
                 Arg::I32(nkv as i32),
                 Arg::I32(group as i32),
+                Arg::I32(seg.off as i32),
                 Arg::Ptr(g.ptr(&b.attn)),
             ],
         )
@@ -1478,11 +1899,17 @@ impl DenseModel {
     }
 }
 
-/// Decode attention's split count: the splits share the actual context, sized so that the
-/// grid holds about `DECODE_BLOCKS` blocks (at most one tile a split at full context).
-fn decode_splits(c: &ModelConfig, max_context: usize) -> usize {
-    let tiles = c.n_kv_heads * (c.n_heads / c.n_kv_heads).div_ceil(ATT_ROWS);
-    (DECODE_BLOCKS / tiles).clamp(1, max_context.div_ceil(ATT_KEYS).max(1))
+/// Decode attention's split count for `tokens` tokens: the splits share the actual context,
+/// sized so that the grid holds about `DECODE_BLOCKS` blocks for one token (at most one tile a
+/// split at full context) and `BATCH_DECODE_BLOCKS` for a batch, fewer splits each token.
+fn decode_splits(c: &ModelConfig, max_context: usize, tokens: usize) -> usize {
+    let tiles = c.n_kv_heads * (c.n_heads / c.n_kv_heads).div_ceil(ATT_ROWS) * tokens.max(1);
+    let target = if tokens > 1 {
+        BATCH_DECODE_BLOCKS
+    } else {
+        DECODE_BLOCKS
+    };
+    (target / tiles).clamp(1, max_context.div_ceil(ATT_KEYS).max(1))
 }
 
 /// `y[m, n] (f32, row-major) = x[m, k] (bf16) . w[n, k]^T (bf16)`, f32 accumulation, cuBLAS.

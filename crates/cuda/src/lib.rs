@@ -169,6 +169,11 @@ impl Gpu {
         Ok(f)
     }
 
+    /// Whether launches are being timed ([`Gpu::start_profile`]).
+    pub fn profiling(&self) -> bool {
+        self.profile.lock().unwrap().is_some()
+    }
+
     /// Starts recording the time of every launch and cuBLAS call (outside graph capture only).
     pub fn start_profile(&self) {
         *self.profile.lock().unwrap() = Some(Vec::new());

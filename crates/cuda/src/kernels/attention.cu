@@ -91,42 +91,32 @@ __device__ __forceinline__ void cluster_merge(const float (&mx)[RPW], const floa
 
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 1)
 attn_partial(const float* __restrict__ q, const bf16* __restrict__ kc, const bf16* __restrict__ vc,
-             const int* __restrict__ pos, int m, int n_heads, int n_kv, int window, float softcap,
-             int n_splits, float* __restrict__ part_acc, float* __restrict__ part_ml,
-             bf16* __restrict__ out) {
+             const int* __restrict__ pos, const int* __restrict__ tok_idx, int n_heads, int n_kv,
+             int window, float softcap, int n_splits, float* __restrict__ part_acc,
+             float* __restrict__ part_ml, bf16* __restrict__ out, const int* __restrict__ tables,
+             const int* __restrict__ table_off, int bs) {
     __shared__ float qs[ATT_ROWS][HD];
     __shared__ u32 ks[KT * KW];
     __shared__ __align__(16) u32 vs[KT * VW];
 
+    // A block: one token (the tok_idx[i]-th of the batch, or the i-th without a list), a tile of
+    // ATT_ROWS heads of one kv head's group, one split of the keys that token sees. Tokens of a
+    // batch belong to different sequences (their own positions and block tables).
     const int kvh = blockIdx.x, split = blockIdx.z;
     const int group = n_heads / n_kv;
-    const int n_rows = m * group;
-    const int r0 = blockIdx.y * ATT_ROWS;
+    const int tiles = (group + ATT_ROWS - 1) / ATT_ROWS;
+    const int ti = blockIdx.y / tiles, tile = blockIdx.y % tiles;
+    const int tok = tok_idx ? tok_idx[ti] : ti;
+    const int r0 = tok * group + tile * ATT_ROWS;
+    const int n_rows = min(r0 + ATT_ROWS, (tok + 1) * group);  // rows r0 .. n_rows - 1
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    // The splits share the keys the last row sees, in whole tiles, so the grid stays sized to the
-    // chip while each block's work follows the actual context. (Used for one row, m == 1: a
-    // windowed earlier row could need keys before the last row's window.)
-    const int p_last = pos[m - 1];
-    const int base = window > 0 ? max(p_last + 1 - window, 0) : 0;
-    const int chunk = ((p_last + 1 - base + n_splits - 1) / n_splits + KT - 1) / KT * KT;
+    // The splits share the keys the token sees, in whole tiles, so the grid stays sized to the
+    // chip while each block's work follows the actual context.
+    const int p = pos[tok];
+    const int base = window > 0 ? max(p + 1 - window, 0) : 0;
+    const int chunk = ((p + 1 - base + n_splits - 1) / n_splits + KT - 1) / KT * KT;
     const int s_lo = base + split * chunk;
-    const int s_hi = s_lo + chunk - 1;
-
-    // The block's key range (the union over its tokens) first, so that the first tile's loads
-    // are in flight while the rows' ranges and queries are set up.
-    int k_begin = 0x7fffffff, k_end = -1;
-    {
-        const int t_first = r0 / group, t_last = (min(r0 + ATT_ROWS, n_rows) - 1) / group;
-        for (int t = t_first; t <= t_last; t++) {
-            const int p = pos[t];
-            const int lo = max(window > 0 ? max(p + 1 - window, 0) : 0, s_lo);
-            const int hi = min(p, s_hi);
-            if (lo <= hi) {
-                k_begin = min(k_begin, lo);
-                k_end = max(k_end, hi);
-            }
-        }
-    }
+    const int k_begin = s_lo, k_end = min(p, s_lo + chunk - 1);
     // A tile's K/V loads go to registers one tile ahead: tile t+1 is in flight while t is
     // multiplied (all of a thread's loads are issued before any is used).
     uint4 kv[TILE_VECS], vv[TILE_VECS];
@@ -137,7 +127,7 @@ attn_partial(const float* __restrict__ q, const bf16* __restrict__ kc, const bf1
             const int kk = i / (HD / 8), c = i % (HD / 8), key = k0 + kk;
             kv[u] = vv[u] = make_uint4(0, 0, 0, 0);
             if (i < KT * (HD / 8) && key <= k_end) {
-                const long long g = ((long long)key * n_kv + kvh) * HD + c * 8;
+                const long long g = (kv_slot(tables, table_off, tok, key, bs) * n_kv + kvh) * HD + c * 8;
                 kv[u] = *(const uint4*)(kc + g);
                 vv[u] = *(const uint4*)(vc + g);
             }
@@ -153,11 +143,10 @@ attn_partial(const float* __restrict__ q, const bf16* __restrict__ kc, const bf1
         row_lo[j] = 1;  // empty
         row_hi[j] = 0;
         if (r < n_rows) {
-            const int t = r / group, h = kvh * group + r % group;
-            const int p = pos[t];
-            row_lo[j] = max(window > 0 ? max(p + 1 - window, 0) : 0, s_lo);
-            row_hi[j] = min(p, s_hi);
-            const float* qr = q + ((long long)t * n_heads + h) * HD;
+            const int h = kvh * group + r % group;
+            row_lo[j] = k_begin;
+            row_hi[j] = k_end;
+            const float* qr = q + ((long long)tok * n_heads + h) * HD;
 #pragma unroll
             for (int d = lane; d < HD; d += 32) qs[rr][d] = qr[d];
         }
@@ -241,8 +230,8 @@ attn_partial(const float* __restrict__ q, const bf16* __restrict__ kc, const bf1
     for (int j = 0; j < RPW; j++) {
         const int r = r0 + warp * RPW + j;
         if (r >= n_rows) continue;
-        const int t = r / group, h = kvh * group + r % group;
-        const long long slot = ((long long)t * n_heads + h) * n_splits + split;
+        const int h = kvh * group + r % group;
+        const long long slot = ((long long)ti * n_heads + h) * n_splits + split;
         if (lane == 0) {
             part_ml[slot * 2] = mx[j];
             part_ml[slot * 2 + 1] = l[j];
@@ -259,14 +248,16 @@ attn_partial(const float* __restrict__ q, const bf16* __restrict__ kc, const bf1
     }
 }
 
-// One block per (token, head), a multiple of 32 threads: merges the splits and writes the bf16
-// output row. Every warp
-// weighs 32 splits at a time (a lane per split); every thread then sums its dimensions over
+// One block per (listed token, head), a multiple of 32 threads: merges the splits and writes the
+// bf16 output row (of token tok_idx[i], or i without a list). Every warp weighs 32 splits at a time (a lane per split); every thread then sums its dimensions over
 // those splits with all loads in flight at once (the merge is latency-bound, not byte-bound).
 extern "C" __global__ void attn_combine(const float* __restrict__ part_acc,
                                         const float* __restrict__ part_ml, int n_splits,
+                                        const int* __restrict__ tok_idx, int n_heads,
                                         bf16* __restrict__ out) {
     const long long row = blockIdx.x;
+    const int ti = (int)(row / n_heads), h = (int)(row % n_heads);
+    const long long out_row = (long long)(tok_idx ? tok_idx[ti] : ti) * n_heads + h;
     const int lane = threadIdx.x & 31;
     const float2* ml = (const float2*)(part_ml + row * n_splits * 2);
     float gm = NEG_INF;
@@ -306,7 +297,7 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part_acc,
 #pragma unroll
     for (int i = 0; i < DPT; i++) {
         const int d = threadIdx.x + i * blockDim.x;
-        if (d < HD) out[row * HD + d] = f2bf(a[i] * inv);
+        if (d < HD) out[out_row * HD + d] = f2bf(a[i] * inv);
     }
 }
 
@@ -387,15 +378,30 @@ attn_softmax(const float* __restrict__ s, int ld, int n_keys, int rows, const in
         pr[k] = f2bf(k >= lo && k <= hi ? expf(score(sr[k], softcap) - mx) * inv : 0.0f);
 }
 
-// Stacked attention output [kv head][t * group + j][HD] -> [t][kv head * group + j][HD] (bf16).
+// Stacked attention output [kv head][t * group + j][HD] -> [t][kv head * group + j][HD] (bf16),
+// for tokens t0 .. t0 + gridDim.x of the m stacked ones.
 extern "C" __global__ void attn_unstack(const bf16* __restrict__ o, int m, int n_kv, int group,
-                                        bf16* __restrict__ out) {
-    const int t = blockIdx.x;
+                                        int t0, bf16* __restrict__ out) {
+    const int t = t0 + blockIdx.x;
     const int n_heads = n_kv * group;
     for (int i = threadIdx.x; i < n_heads * (HD / 8); i += blockDim.x) {
         const int h = i / (HD / 8), c = i % (HD / 8);
         const int g = h / group, j = h % group;
         const uint4 v = *(const uint4*)(o + (((long long)g * m + t) * group + j) * HD + c * 8);
         *(uint4*)(out + ((long long)t * n_heads + h) * HD + c * 8) = v;
+    }
+}
+
+// A sequence's keys and values 0 .. n_keys - 1 from the paged cache into contiguous rows of
+// kv_dim (the prefill GEMMs' operands): one block per position, 16-byte copies.
+extern "C" __global__ void kv_gather(const bf16* __restrict__ kc, const bf16* __restrict__ vc,
+                                     const int* __restrict__ table, int bs, int kv_dim,
+                                     bf16* __restrict__ k_out, bf16* __restrict__ v_out) {
+    const int p = blockIdx.x;
+    const long long src = ((long long)table[p / bs] * bs + p % bs) * kv_dim;
+    const long long dst = (long long)p * kv_dim;
+    for (int c = threadIdx.x; c < kv_dim / 8; c += blockDim.x) {
+        *(uint4*)(k_out + dst + c * 8) = *(const uint4*)(kc + src + c * 8);
+        *(uint4*)(v_out + dst + c * 8) = *(const uint4*)(vc + src + c * 8);
     }
 }

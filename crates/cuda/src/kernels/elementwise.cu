@@ -250,3 +250,10 @@ extern "C" __global__ void spin_ns(u64 ns) {
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     } while (t - t0 < ns);
 }
+
+// out[r] = x[rows[r]] for rows of n bf16 values (the rows whose logits a batch wants).
+extern "C" __global__ void gather_rows(const bf16* __restrict__ x, const int* __restrict__ rows,
+                                       int n, bf16* __restrict__ out) {
+    const long long src = (long long)rows[blockIdx.x] * n, dst = (long long)blockIdx.x * n;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) out[dst + i] = x[src + i];
+}

@@ -201,7 +201,8 @@ gemv_qkv_rope(const bf16* __restrict__ W, int k, const bf16* __restrict__ x,
               float pos_scale, float in_scale, float q_scale, float* __restrict__ q_out,
               bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
               const unsigned long long* __restrict__ ss, float inv_n, float eps,
-              unsigned long long* __restrict__ zero) {
+              unsigned long long* __restrict__ zero, const int* __restrict__ tables,
+              const int* __restrict__ table_off, int bs) {
     const int half_hd = hd >> 1;
     const int n_pairs = (n_heads + 2 * n_kv) * half_hd;
     const int half = inv_freq ? rot / 2 : 0;
@@ -255,7 +256,8 @@ gemv_qkv_rope(const bf16* __restrict__ W, int k, const bf16* __restrict__ x,
             q_out[rb] = x2 * q_scale;
         } else {
             const int kvh = is_v ? head[q] - n_heads - n_kv : head[q] - n_heads;
-            bf16* c = (is_v ? v_cache : k_cache) + ((long long)p * n_kv + kvh) * hd;
+            bf16* c = (is_v ? v_cache : k_cache) +
+                      (kv_slot(tables, table_off, 0, p, bs) * n_kv + kvh) * hd;
             c[a[q]] = f2bf(x1);
             c[b[q]] = f2bf(x2);
         }

@@ -39,6 +39,7 @@ pub const ELEMENTWISE: KernelSource = KernelSource {
         "fill_uniform_bf16",
         "fill_f32",
         "spin_ns",
+        "gather_rows",
     ],
     hot: true,
     variants: &[],
@@ -60,6 +61,7 @@ pub const ATTENTION: KernelSource = KernelSource {
         "attn_combine",
         "attn_softmax",
         "attn_unstack",
+        "kv_gather",
     ],
     hot: true,
     variants: &[

@@ -109,3 +109,10 @@ __device__ __forceinline__ uint4 ld_nc(const void* p) {
         : "l"(p));
     return r;
 }
+
+// The KV-cache slot of position p of a token's sequence: through its block table (paged cache,
+// blocks of bs positions), or p itself without one (a contiguous cache).
+__device__ __forceinline__ long long kv_slot(const int* tables, const int* table_off, int t, int p,
+                                             int bs) {
+    return tables ? (long long)tables[table_off[t] + p / bs] * bs + p % bs : (long long)p;
+}

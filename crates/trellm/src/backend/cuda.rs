@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use anyhow::{anyhow, bail, ensure, Result};
-use trellm_cuda::dense::{DenseModel, DenseWeights};
+use trellm_cuda::dense::{DenseModel, DenseWeights, PagedKv, KV_BLOCK, MAX_SEQS};
 use trellm_cuda::Gpu;
 
 use trellm_model::{Batch, ModelBackend, Want};
@@ -39,10 +39,9 @@ pub fn upload(
     DenseModel::new(gpu, &model.cfg, &model.plan, w, max_context, max_prefill)
 }
 
-/// The GPU decoder behind the step contract, for one sequence at a time: its KV cache is the
-/// decoder's own contiguous one, so a batch holds one sequence and the block ids are only
-/// checked for room. (Paged blocks and batched kernels on CUDA come with the GPU half of the
-/// engine work; until then the engine runs CUDA with `max_seqs = 1`.)
+/// The GPU decoder behind the step contract: ragged batches of many sequences over a paged KV
+/// cache on the device (blocks of [`KV_BLOCK`] positions addressed through each sequence's block
+/// table), see [`DenseModel::step_batch`].
 pub struct CudaModel {
     cfg: ModelConfig,
     dense: Mutex<SendDense>,
@@ -54,24 +53,64 @@ struct SendDense(DenseModel);
 // SAFETY: see above: access is serialized by the mutex and the context is bound per call.
 unsafe impl Send for SendDense {}
 
-/// The GPU's KV cache lives in its decoder; this records the pool's geometry.
-pub struct CudaCache {
-    positions: usize,
-}
+/// The KV blocks on the device.
+pub struct CudaCache(PagedKv);
+// SAFETY: device buffers, used only under the model's mutex (see SendDense).
+unsafe impl Send for CudaCache {}
 
 impl CudaModel {
-    /// Uploads `model` with a KV cache of `capacity` positions (at most the model's context).
+    /// Uploads `model` for sequences of up to `capacity` positions each (at most the model's
+    /// context).
     pub fn new(model: &CpuModel, capacity: usize) -> Result<CudaModel> {
         if !available() {
             bail!("--device cuda: {}", unavailable_reason());
         }
         let gpu = Arc::new(Gpu::new(0)?);
         let cap = capacity.clamp(1, model.cfg.max_context.max(1));
-        let dense = upload(gpu, model, cap, cap.min(PREFILL_STEP))?;
+        let dense = upload(gpu, model, cap, PREFILL_STEP.min(cap.max(MAX_SEQS)))?;
         Ok(CudaModel {
             cfg: model.cfg.clone(),
             dense: Mutex::new(SendDense(dense)),
         })
+    }
+
+    /// Seeded synthetic weights of a named shape (`bench --shape`), generated on the device.
+    pub fn synthetic(shape: &str, capacity: usize) -> Result<CudaModel> {
+        if !available() {
+            bail!("--device cuda: {}", unavailable_reason());
+        }
+        let gpu = Arc::new(Gpu::new(0)?);
+        let cfg = trellm_cuda::bench::shape(shape)?;
+        let plan = trellm_model::Plan::new(&cfg);
+        let w = DenseWeights::synthetic(&gpu, &cfg, 1)?;
+        let cap = capacity.max(1);
+        let dense = DenseModel::new(
+            gpu,
+            &cfg,
+            &plan,
+            w,
+            cap,
+            PREFILL_STEP.min(cap.max(MAX_SEQS)),
+        )?;
+        Ok(CudaModel {
+            cfg,
+            dense: Mutex::new(SendDense(dense)),
+        })
+    }
+
+    /// [`ModelBackend::step`] with every kernel timed (the batched bench's profile).
+    pub fn profile_step(
+        &self,
+        batch: &Batch,
+        cache: &mut CudaCache,
+    ) -> Result<Vec<trellm_cuda::KernelTime>> {
+        self.dense()?.0.profile_step_batch(batch, &cache.0)
+    }
+
+    fn dense(&self) -> Result<std::sync::MutexGuard<'_, SendDense>> {
+        self.dense
+            .lock()
+            .map_err(|_| anyhow!("the CUDA decoder panicked"))
     }
 }
 
@@ -83,65 +122,23 @@ impl ModelBackend for CudaModel {
     }
 
     fn new_cache(&self, n_blocks: usize, block_size: usize) -> Result<CudaCache> {
-        Ok(CudaCache {
-            positions: n_blocks * block_size,
-        })
+        ensure!(
+            block_size == KV_BLOCK,
+            "the CUDA KV cache takes blocks of {KV_BLOCK} positions, not {block_size}"
+        );
+        Ok(CudaCache(self.dense()?.0.paged_kv(n_blocks)?))
     }
 
     fn block_bytes(&self, block_size: usize) -> usize {
         self.cfg.n_layers() * 2 * block_size * self.cfg.n_kv_heads * self.cfg.head_dim * 2
     }
 
-    fn copy_blocks(&self, _: &mut CudaCache, copies: &[(u32, u32)]) -> Result<()> {
-        ensure!(
-            copies.is_empty(),
-            "shared KV blocks are not supported on CUDA yet"
-        );
-        Ok(())
+    fn copy_blocks(&self, cache: &mut CudaCache, copies: &[(u32, u32)]) -> Result<()> {
+        self.dense()?.0.copy_blocks(&mut cache.0, copies)
     }
 
     fn step(&self, batch: &Batch, cache: &mut CudaCache) -> Result<Vec<f32>> {
-        let [s] = batch.seqs.as_slice() else {
-            ensure!(
-                batch.seqs.is_empty(),
-                "the CUDA backend runs one sequence at a time for now"
-            );
-            return Ok(Vec::new());
-        };
-        if s.want == Want::All {
-            bail!("logits at every prompt position (--prompt-logprobs) are computed on the CPU only; drop --device cuda");
-        }
-        let mut guard = self
-            .dense
-            .lock()
-            .map_err(|_| anyhow!("the CUDA decoder panicked"))?;
-        let m = &mut guard.0;
-        if s.start == 0 {
-            m.reset()?;
-        }
-        ensure!(
-            m.len() == s.start,
-            "the CUDA backend holds one sequence: position {} follows {}",
-            s.start,
-            m.len()
-        );
-        ensure!(
-            s.start + s.len <= m.max_context.min(cache.positions),
-            "the context is full ({} positions on the GPU)",
-            m.max_context
-        );
-        let tokens = &batch.tokens[s.offset..s.offset + s.len];
-        match tokens {
-            [t] if !m.is_empty() => {
-                m.set_next_token(*t)?;
-                m.decode_step()?;
-            }
-            _ => m.prefill(tokens)?,
-        }
-        match s.want {
-            Want::None => Ok(Vec::new()),
-            _ => m.logits(),
-        }
+        self.dense()?.0.step_batch(batch, &cache.0)
     }
 }
 

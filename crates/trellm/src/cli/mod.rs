@@ -99,9 +99,6 @@ fn cuda_engine<'t>(
     opts: EngineOptions,
     positions: usize,
 ) -> Result<Engine<'t>> {
-    if opts.max_seqs > 1 {
-        bail!("--device cuda runs one sequence at a time for now; batches run on the CPU");
-    }
     let model = crate::backend::cuda::CudaModel::new(&m.model, positions)?;
     Ok(Engine::new(std::sync::Arc::new(model), tok, opts)?)
 }
