@@ -1216,13 +1216,15 @@ impl DenseModel {
         } else {
             self.enqueue(inp, Some(&pg))?;
         }
-        if !rows.is_empty() {
+        // The host touches (faults in and zeroes) the output rows while the device computes, so
+        // the download below only copies.
+        let n_out = rows.len() * self.cfg.vocab;
+        let at = out.len();
+        out.resize(at + n_out, 0.0);
+        if n_out > 0 {
             // Straight into the step's output (one copy, no temporary).
-            let n = rows.len() * self.cfg.vocab;
-            let at = out.len();
-            out.resize(at + n, 0.0);
             g.stream
-                .memcpy_dtoh(&self.b.logits.slice(0..n), &mut out[at..])?;
+                .memcpy_dtoh(&self.b.logits.slice(0..n_out), &mut out[at..])?;
             g.stream.synchronize()?;
         }
         Ok(())
@@ -1427,6 +1429,9 @@ impl DenseModel {
                 )?;
             }
             if let Some((list, n)) = singles {
+                // Batches merge their splits in the combine kernel: as clusters (batch-1's
+                // merge) the attention took 1.93-1.96 ms a B = 32 step against 1.34 + 0.22 for
+                // the combine (H200, run 20).
                 let fused = inp.cluster;
                 g.launch_cluster(
                     &f.attn_partial,
