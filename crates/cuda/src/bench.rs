@@ -8,67 +8,40 @@ use anyhow::{bail, Result};
 use cudarc::cublas::sys as bsys;
 use cudarc::driver::sys as dsys;
 
-use crate::dense::{self, Act, DenseConfig, DenseModel, DenseWeights, LayerSpec, NormKind};
-use crate::dense::{QkNormKind, RopeSpec};
+use trellm_model::config::{Dims, Family};
+use trellm_model::rope::Rope;
+use trellm_model::{ModelConfig, Plan};
+
+use crate::dense::{self, DenseModel, DenseWeights, Shape};
 use crate::{kernels, Arg, Gpu};
 
 /// Shapes `--shape` accepts.
 pub const SHAPES: &[&str] = &["llama-3.1-8b", "tiny"];
 
-/// A full-width rotary spec of base `base` for head dimension `hd`.
-pub fn rope(hd: usize, base: f32) -> RopeSpec {
-    let half = hd / 2;
-    RopeSpec {
-        dims: hd,
-        interleaved: false,
-        position_scale: 1.0,
-        input_scale: 1.0,
-        inv_freq: (0..half)
-            .map(|i| (-(i as f32) * base.ln() / half as f32).exp())
-            .collect(),
-        dynamic: None,
-    }
-}
-
-/// A llama-style config for a named shape.
-pub fn shape(name: &str) -> Result<DenseConfig> {
+/// A llama-style config for a named shape (the same [`ModelConfig`] a loaded model has).
+pub fn shape(name: &str) -> Result<ModelConfig> {
     let (h, ff, nh, nkv, hd, vocab, layers, base, tied) = match name {
         "llama-3.1-8b" => (4096, 14336, 32, 8, 128, 128256, 32, 500000.0, false),
         "tiny" => (256, 512, 4, 2, 64, 1024, 2, 10000.0, true),
         other => bail!("unknown shape '{other}' (known: {})", SHAPES.join(", ")),
     };
-    Ok(DenseConfig {
+    let dims = Dims {
         hidden: h,
         intermediate: ff,
         n_heads: nh,
         n_kv_heads: nkv,
         head_dim: hd,
         vocab,
+        n_layers: layers,
         norm_eps: 1e-5,
-        norm: NormKind::Rms,
-        pre_norms: true,
-        post_norms: false,
-        qk_norm: QkNormKind::None,
-        activation: Act::Silu,
-        gated: true,
-        qkv_bias: false,
-        o_bias: false,
-        mlp_bias: false,
-        tied_embeddings: tied,
-        embed_scale: None,
-        residual_scale: None,
-        attn_scale: (hd as f32).powf(-0.5),
-        attn_softcap: None,
-        final_softcap: None,
-        logits_divisor: None,
-        layers: vec![
-            LayerSpec {
-                window: None,
-                rope: Some(rope(hd, base)),
-            };
-            layers
-        ],
-    })
+        max_context: 131072,
+        bos_id: None,
+        eos_ids: Vec::new(),
+    };
+    let mut cfg =
+        ModelConfig::llama_like(Family::Llama, dims, Some(Rope::plain(hd, base, false, 1.0)));
+    cfg.tied_embeddings = tied;
+    Ok(cfg)
 }
 
 #[derive(Debug, Clone)]
@@ -98,12 +71,10 @@ pub struct BenchReport {
     /// Weight bytes one decode step reads.
     pub decode_weight_bytes: usize,
     pub decode_bytes_per_s: f64,
-    /// Decode with and without programmatic dependent launch (ms per token).
-    pub decode_ms_pdl: f64,
-    pub decode_ms_no_pdl: f64,
-    /// Replay of the GEMVs alone over the same weights (ms), with and without PDL.
-    pub gemv_only_ms_pdl: f64,
-    pub gemv_only_ms_no_pdl: f64,
+    /// Decode, ms per token (median over the repetitions).
+    pub decode_ms: f64,
+    /// Replay of the GEMVs alone over the same weights (ms).
+    pub gemv_only_ms: f64,
     /// Greedy ids of the first timed decode steps (a sanity check that logits are alive).
     pub decode_ids: Vec<u32>,
     pub logits_finite: bool,
@@ -190,9 +161,11 @@ pub fn run(shape_name: &str, o: &BenchOptions) -> Result<BenchReport> {
 
     let w = DenseWeights::synthetic(&gpu, &cfg, o.seed)?;
     let max_context = o.n_prompt.max(o.context + o.n_gen + 1);
+    let plan = Plan::new(&cfg);
     let mut model = DenseModel::new(
         gpu.clone(),
-        cfg.clone(),
+        &cfg,
+        &plan,
         w,
         max_context,
         o.n_prompt.max(o.context),
@@ -212,41 +185,30 @@ pub fn run(shape_name: &str, o: &BenchOptions) -> Result<BenchReport> {
         + attn_flops * cfg.n_layers() as f64
         + 2.0 * (cfg.vocab * cfg.hidden) as f64;
 
-    // Decode from `context`, with and without PDL: the first step captures the graph.
+    // Decode from `context`: the first step captures the graph.
     let mut decode_ids = Vec::new();
-    let mut per_mode = Vec::new();
-    let pdl_default = gpu.pdl();
-    for pdl in [false, true] {
-        gpu.set_pdl(pdl);
-        model.recapture();
+    model.reset()?;
+    model.prefill(&tokens[..o.context])?;
+    model.decode_step()?;
+    let mut decode = Vec::new();
+    for _ in 0..reps {
         model.reset()?;
         model.prefill(&tokens[..o.context])?;
-        model.decode_step()?;
-        let mut decode = Vec::new();
-        for _ in 0..reps {
-            model.reset()?;
-            model.prefill(&tokens[..o.context])?;
-            let ms = time_ms(&gpu, 0, 1, || model.decode(o.n_gen))?;
-            decode.push(ms / o.n_gen as f64);
-            if decode_ids.is_empty() {
-                decode_ids = model.history()?.into_iter().take(16).collect();
-            }
+        let ms = time_ms(&gpu, 0, 1, || model.decode(o.n_gen))?;
+        decode.push(ms / o.n_gen as f64);
+        if decode_ids.is_empty() {
+            decode_ids = model.history()?.into_iter().take(16).collect();
         }
-        let gemv = model.capture_gemv_only()?;
-        let gemv_ms = time_ms(&gpu, 3, reps.max(10), || Ok(gemv.launch()?))?;
-        per_mode.push((median(decode), gemv_ms));
     }
-    gpu.set_pdl(pdl_default);
-    // Kernel profiles: PDL off so each kernel's span is its own.
-    gpu.set_pdl(false);
+    let decode_ms = median(decode);
+    let gemv = model.capture_gemv_only()?;
+    let gemv_only_ms = time_ms(&gpu, 3, reps.max(10), || Ok(gemv.launch()?))?;
     model.reset()?;
     let prefill_profile = model.profile_prefill(&tokens[..o.n_prompt])?;
     model.reset()?;
     model.prefill(&tokens[..o.context])?;
     let decode_profile = model.profile_decode_step()?;
-    gpu.set_pdl(pdl_default);
     let logits_finite = model.logits()?.iter().all(|v| v.is_finite());
-    let decode_ms = per_mode[0].0.min(per_mode[1].0);
     let bytes = cfg.decode_weight_bytes();
     Ok(BenchReport {
         device: gpu.name.clone(),
@@ -259,10 +221,8 @@ pub fn run(shape_name: &str, o: &BenchOptions) -> Result<BenchReport> {
         decode_tok_s: 1e3 / decode_ms,
         decode_weight_bytes: bytes,
         decode_bytes_per_s: bytes as f64 / (decode_ms * 1e-3),
-        decode_ms_no_pdl: per_mode[0].0,
-        decode_ms_pdl: per_mode[1].0,
-        gemv_only_ms_no_pdl: per_mode[0].1,
-        gemv_only_ms_pdl: per_mode[1].1,
+        decode_ms,
+        gemv_only_ms,
         decode_ids,
         logits_finite,
         decode_profile,

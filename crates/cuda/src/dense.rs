@@ -1,4 +1,5 @@
-//! The dense (llama/gemma-style) decoder on the GPU, driven by a plain [`DenseConfig`].
+//! The dense (llama/gemma-style) decoder on the GPU, driven by the model's [`ModelConfig`] and
+//! [`Plan`] and uploaded from its [`Weights`], the descriptions every backend shares.
 //!
 //! Activations: the residual stream is f32; matrix inputs (normed activations, attention
 //! output, the MLP's hidden state) are bf16; projections produce f32. Weights are bf16, norms
@@ -11,180 +12,154 @@
 //! memory, so one replay is one token with no host round trip; prefill runs cuBLAS GEMMs,
 //! attention included: per chunk of query tokens, S = Q K^T and O = P V are strided-batched GEMMs
 //! over kv heads (the group's query rows stacked, so GQA shares K/V), with a masking/soft-capping
-//! softmax kernel between (`TRELLM_CUDA_ATTN_GEMM=0`: the CUDA-core flash kernel instead).
+//! softmax kernel between.
 //! Decode by default (Llama-like models: RMSNorm, no q/k norm, no post-norms or o/down biases)
 //! fuses rope and the cache write into the qkv GEMV, and the residual add into the o/down GEMVs'
 //! epilogues with the next RMSNorm deferred into the next GEMV (the producer leaves bf16(w * x)
 //! and the sum of squares; the consumer scales its dot products), so a layer is 6 kernels:
 //! qkv+rope, attention partials, combine, o+residual, gate/up+act, down+residual. Decode attention
-//! splits the actual context over a chip-sized grid. Optional (off, see `Tuning`): the split merge
-//! in the attention's last block, the residual add + norm in the o/down GEMVs' last block.
+//! splits the actual context over a chip-sized grid (one cluster launch per kv head while the
+//! context is short). Every reduction runs in a fixed order, so a request reproduces bit for bit.
 
 use std::sync::Arc;
 
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use cudarc::cublas::sys as bsys;
 use cudarc::driver::{sys as dsys, CudaFunction, CudaGraph, CudaSlice};
+use trellm_model::config::{Activation, Mlp, Norm, QkNorm};
+use trellm_model::plan::{
+    AttentionOp, GluEpilogue, LayerPlan, NormOp, Op, QkvEpilogue, ResidualEpilogue,
+};
+use trellm_model::weights::{LinearWeight, Matrix, NormWeights, Weights};
+use trellm_model::{Batch, ModelConfig, Plan, Want};
 
 use crate::kernels;
 use crate::{Arg, Gpu};
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum NormKind {
-    Rms,
-    Layer,
+/// Sizes derived from a [`ModelConfig`] that the GPU buffers and kernels use.
+pub trait Shape {
+    fn q_dim(&self) -> usize;
+    fn kv_dim(&self) -> usize;
+    fn qkv_dim(&self) -> usize;
+    fn gated(&self) -> bool;
+    /// Rows of the gate/up matrix: gate rows then up rows, or up rows alone.
+    fn gate_up_rows(&self) -> usize;
+    /// Linear parameters per layer (qkv, o, gate/up, down).
+    fn layer_matrix_params(&self) -> usize;
+    /// Bytes of weights one decode step reads: every layer's matrices (bf16) and norms (f32),
+    /// the output head and the final norm (the embedding contributes one row).
+    fn decode_weight_bytes(&self) -> usize;
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum QkNormKind {
-    None,
-    /// RMSNorm over each head (weights of `head_dim`).
-    PerHead,
-    /// RMSNorm over the whole q and k projections.
-    Whole,
-}
-
-/// Activation codes as the kernels number them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Act {
-    Silu = 0,
-    GeluTanh = 1,
-    Gelu = 2,
-}
-
-#[derive(Debug, Clone, PartialEq)]
-pub struct RopeSpec {
-    /// Rotated dimensions at the start of each head.
-    pub dims: usize,
-    /// Adjacent pairs `(2i, 2i+1)` instead of halves `(i, i + dims/2)`.
-    pub interleaved: bool,
-    pub position_scale: f32,
-    pub input_scale: f32,
-    /// One inverse frequency per rotated pair.
-    pub inv_freq: Vec<f32>,
-    /// Dynamic-NTK RoPE: the inverse frequencies for a pass whose last position is `len - 1`
-    /// (`inv_freq` is then the table for short sequences).
-    pub dynamic: Option<InvFreqAt>,
-}
-
-/// The inverse frequencies of a dynamic RoPE as a function of the sequence length, given by the
-/// decoder that owns the formula.
-#[derive(Clone)]
-pub struct InvFreqAt(pub Arc<dyn Fn(usize) -> Vec<f32> + Send + Sync>);
-
-impl std::fmt::Debug for InvFreqAt {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("InvFreqAt(..)")
-    }
-}
-
-impl PartialEq for InvFreqAt {
-    fn eq(&self, other: &Self) -> bool {
-        Arc::ptr_eq(&self.0, &other.0)
-    }
-}
-
-#[derive(Debug, Clone, PartialEq)]
-pub struct LayerSpec {
-    pub window: Option<usize>,
-    pub rope: Option<RopeSpec>,
-}
-
-/// Everything the GPU decoder needs to know about a model.
-#[derive(Debug, Clone)]
-pub struct DenseConfig {
-    pub hidden: usize,
-    pub intermediate: usize,
-    pub n_heads: usize,
-    pub n_kv_heads: usize,
-    pub head_dim: usize,
-    pub vocab: usize,
-    pub norm_eps: f32,
-    pub norm: NormKind,
-    pub pre_norms: bool,
-    pub post_norms: bool,
-    pub qk_norm: QkNormKind,
-    pub activation: Act,
-    pub gated: bool,
-    pub qkv_bias: bool,
-    pub o_bias: bool,
-    pub mlp_bias: bool,
-    pub tied_embeddings: bool,
-    pub embed_scale: Option<f32>,
-    pub residual_scale: Option<f32>,
-    pub attn_scale: f32,
-    pub attn_softcap: Option<f32>,
-    pub final_softcap: Option<f32>,
-    pub logits_divisor: Option<f32>,
-    pub layers: Vec<LayerSpec>,
-}
-
-impl DenseConfig {
-    pub fn n_layers(&self) -> usize {
-        self.layers.len()
-    }
-    pub fn q_dim(&self) -> usize {
+impl Shape for ModelConfig {
+    fn q_dim(&self) -> usize {
         self.n_heads * self.head_dim
     }
-    pub fn kv_dim(&self) -> usize {
+    fn kv_dim(&self) -> usize {
         self.n_kv_heads * self.head_dim
     }
-    pub fn qkv_dim(&self) -> usize {
+    fn qkv_dim(&self) -> usize {
         self.q_dim() + 2 * self.kv_dim()
     }
-    /// Rows of the gate/up matrix: gate rows then up rows, or up rows alone.
-    pub fn gate_up_rows(&self) -> usize {
-        if self.gated {
+    fn gated(&self) -> bool {
+        self.mlp == Mlp::Gated
+    }
+    fn gate_up_rows(&self) -> usize {
+        if self.gated() {
             2 * self.intermediate
         } else {
             self.intermediate
         }
     }
-
-    /// Linear parameters per layer (qkv, o, gate/up, down).
-    pub fn layer_matrix_params(&self) -> usize {
+    fn layer_matrix_params(&self) -> usize {
         let h = self.hidden;
         self.qkv_dim() * h + h * self.q_dim() + self.gate_up_rows() * h + h * self.intermediate
     }
-
-    /// Bytes of weights one decode step reads: every layer's matrices, norms and biases, the
-    /// output head and the final norm (the embedding contributes one row).
-    pub fn decode_weight_bytes(&self) -> usize {
+    fn decode_weight_bytes(&self) -> usize {
         let h = self.hidden;
         let norms = (self.pre_norms as usize * 2 + self.post_norms as usize * 2)
             * h
             * 4
-            * if self.norm == NormKind::Layer { 2 } else { 1 };
+            * if self.norm == Norm::Layer { 2 } else { 1 };
         let per_layer = self.layer_matrix_params() * 2 + norms;
         self.n_layers() * per_layer + self.vocab * h * 2 + h * 4 + h * 2
     }
+}
 
-    fn validate(&self) -> Result<()> {
-        ensure!(self.n_layers() > 0, "the model has no layers");
-        ensure!(
-            self.n_kv_heads > 0 && self.n_heads.is_multiple_of(self.n_kv_heads),
-            "{} heads do not divide into {} kv heads",
-            self.n_heads,
-            self.n_kv_heads
-        );
-        ensure!(
-            self.head_dim.is_multiple_of(8) && self.head_dim <= 256,
-            "head_dim {} is not supported on CUDA (a multiple of 8, at most 256)",
-            self.head_dim
-        );
-        for l in &self.layers {
-            if let Some(r) = &l.rope {
-                ensure!(
-                    r.dims <= self.head_dim && r.dims.is_multiple_of(2),
-                    "bad rotary dims"
-                );
-                ensure!(r.inv_freq.len() == r.dims / 2, "inv_freq length");
-            }
+/// The kernels' activation codes (`activate` in prelude.cuh).
+fn act_code(a: Activation) -> i32 {
+    match a {
+        Activation::Silu => 0,
+        Activation::GeluTanh => 1,
+        Activation::Gelu => 2,
+    }
+}
+
+/// What the CUDA decoder runs of a model; fails for what it does not run.
+fn validate(cfg: &ModelConfig) -> Result<()> {
+    ensure!(cfg.n_layers() > 0, "the model has no layers");
+    ensure!(
+        cfg.n_kv_heads > 0 && cfg.n_heads.is_multiple_of(cfg.n_kv_heads),
+        "{} heads do not divide into {} kv heads",
+        cfg.n_heads,
+        cfg.n_kv_heads
+    );
+    ensure!(
+        cfg.head_dim.is_multiple_of(8) && cfg.head_dim <= 256,
+        "head_dim {} is not supported on CUDA (a multiple of 8, at most 256)",
+        cfg.head_dim
+    );
+    for l in &cfg.layers {
+        if let Some(r) = &l.rope {
+            ensure!(
+                r.dims <= cfg.head_dim && r.dims.is_multiple_of(2),
+                "bad rotary dims"
+            );
         }
-        if self.qk_norm == QkNormKind::Whole && self.qkv_bias {
-            bail!("whole-projection q/k norms with qkv biases are not supported on CUDA");
-        }
-        Ok(())
+    }
+    if cfg.qk_norm == QkNorm::Whole && cfg.qkv_bias {
+        bail!("whole-projection q/k norms with qkv biases are not supported on CUDA");
+    }
+    Ok(())
+}
+
+/// One layer's plan, in the order the CUDA decoder runs it.
+#[derive(Debug, Clone)]
+struct LayerOps {
+    qkv: QkvEpilogue,
+    attn: AttentionOp,
+    out: ResidualEpilogue,
+    glu: GluEpilogue,
+    down: ResidualEpilogue,
+}
+
+impl LayerOps {
+    /// Layer `l`'s plan, checked against its buffers: the norms the plan applies are the ones
+    /// the weights hold (the kernels apply a norm where its weights are present).
+    fn of(l: usize, lp: &LayerPlan, lw: &LayerBuffers) -> Result<LayerOps> {
+        let [Op::AttnNorm(an), Op::Qkv(qkv), Op::Attention(attn), Op::Output(out), Op::MlpNorm(mn), Op::GateUp(glu), Op::Down(down)] =
+            lp.ops.as_slice()
+        else {
+            bail!(
+                "layer {l}: the CUDA decoder does not run this plan: {:?}",
+                lp.ops
+            );
+        };
+        let same = |op: &Option<NormOp>, w: &Option<DeviceNorm>| op.is_some() == w.is_some();
+        ensure!(
+            same(an, &lw.attn_norm)
+                && same(mn, &lw.ffn_norm)
+                && same(&out.post_norm, &lw.post_attn_norm)
+                && same(&down.post_norm, &lw.post_ffn_norm),
+            "layer {l}: the plan's norms and the weights' differ"
+        );
+        Ok(LayerOps {
+            qkv: qkv.clone(),
+            attn: *attn,
+            out: *out,
+            glu: *glu,
+            down: *down,
+        })
     }
 }
 
@@ -193,87 +168,78 @@ pub fn to_bf16(x: f32) -> u16 {
     half::bf16::from_f32(x).to_bits()
 }
 
-/// A norm's scale and (LayerNorm) bias, as f32 on the host.
-#[derive(Clone, Debug)]
-pub struct HostNorm {
-    pub w: Vec<f32>,
-    pub b: Option<Vec<f32>>,
-}
-
-/// One layer's weights on the host: matrices as bf16 bits, row-major `[out, in]`.
-#[derive(Clone, Debug, Default)]
-pub struct HostLayer {
-    pub attn_norm: Option<HostNorm>,
-    /// q rows, then k rows, then v rows.
-    pub qkv: Vec<u16>,
-    pub qkv_bias: Option<Vec<f32>>,
-    pub q_norm: Option<Vec<f32>>,
-    pub k_norm: Option<Vec<f32>>,
-    pub o: Vec<u16>,
-    pub o_bias: Option<Vec<f32>>,
-    pub post_attn_norm: Option<HostNorm>,
-    pub ffn_norm: Option<HostNorm>,
-    /// Gate rows then up rows (gated), or up rows.
-    pub gate_up: Vec<u16>,
-    pub gate_up_bias: Option<Vec<f32>>,
-    pub down: Vec<u16>,
-    pub down_bias: Option<Vec<f32>>,
-    pub post_ffn_norm: Option<HostNorm>,
-}
-
-pub struct DevNorm {
+/// A norm's scale and (LayerNorm) bias on the device, f32.
+pub struct DeviceNorm {
     pub w: CudaSlice<f32>,
     pub b: Option<CudaSlice<f32>>,
 }
 
-pub struct DevLayer {
-    pub attn_norm: Option<DevNorm>,
-    pub qkv: CudaSlice<u16>,
-    pub qkv_bias: Option<CudaSlice<f32>>,
+/// A linear layer on the device: bf16 weights, row-major `[out, in]`, and an f32 bias.
+pub struct Bf16Linear {
+    pub w: CudaSlice<u16>,
+    pub b: Option<CudaSlice<f32>>,
+}
+
+/// One decoder layer's buffers. Projections that run as one matrix are stacked: q, k, v rows;
+/// gate rows then up rows (gated MLPs).
+pub struct LayerBuffers {
+    pub attn_norm: Option<DeviceNorm>,
+    pub qkv: Bf16Linear,
     pub q_norm: Option<CudaSlice<f32>>,
     pub k_norm: Option<CudaSlice<f32>>,
-    pub o: CudaSlice<u16>,
-    pub o_bias: Option<CudaSlice<f32>>,
-    pub post_attn_norm: Option<DevNorm>,
-    pub ffn_norm: Option<DevNorm>,
-    pub gate_up: CudaSlice<u16>,
-    pub gate_up_bias: Option<CudaSlice<f32>>,
-    pub down: CudaSlice<u16>,
-    pub down_bias: Option<CudaSlice<f32>>,
-    pub post_ffn_norm: Option<DevNorm>,
+    pub o: Bf16Linear,
+    pub post_attn_norm: Option<DeviceNorm>,
+    pub ffn_norm: Option<DeviceNorm>,
+    pub gate_up: Bf16Linear,
+    pub down: Bf16Linear,
+    pub post_ffn_norm: Option<DeviceNorm>,
     pub inv_freq: Option<CudaSlice<f32>>,
 }
 
 /// All weights on the device.
 pub struct DenseWeights {
     pub embed: CudaSlice<u16>,
-    pub layers: Vec<DevLayer>,
-    pub final_norm: DevNorm,
+    pub layers: Vec<LayerBuffers>,
+    pub final_norm: DeviceNorm,
     /// None when tied to the embedding.
     pub lm_head: Option<CudaSlice<u16>>,
 }
 
-fn check_len<T>(v: &[T], n: usize, what: &str) -> Result<()> {
-    ensure!(v.len() == n, "{what}: {} values, expected {n}", v.len());
-    Ok(())
+/// The matrix of a projection in a ggml format (EXL3 weights need the trellis kernels).
+fn ggml(l: &LinearWeight) -> Result<&Matrix> {
+    match l {
+        LinearWeight::Ggml(m) => Ok(m),
+        LinearWeight::Exl3(_) => bail!("EXL3 weights are not supported on CUDA yet"),
+    }
+}
+
+/// The matrices' rows, one after the other, decoded exactly and rounded to bf16.
+fn bf16_rows(ms: &[&Matrix]) -> Vec<u16> {
+    let mut out = Vec::with_capacity(ms.iter().map(|m| m.rows * m.cols).sum());
+    for m in ms {
+        let mut row = vec![0.0f32; m.cols];
+        for r in 0..m.rows {
+            m.dequantize_row(r, &mut row);
+            out.extend(row.iter().map(|&v| to_bf16(v)));
+        }
+    }
+    out
 }
 
 impl DenseWeights {
-    /// Uploads host weights, one layer at a time (so a caller can convert layer by layer).
-    pub fn upload(
-        gpu: &Gpu,
-        cfg: &DenseConfig,
-        embed: &[u16],
-        final_norm: &HostNorm,
-        lm_head: Option<&[u16]>,
-        layers: impl Iterator<Item = Result<HostLayer>>,
-    ) -> Result<DenseWeights> {
-        cfg.validate()?;
-        let h = cfg.hidden;
-        check_len(embed, cfg.vocab * h, "embedding")?;
-        let norm = |n: &HostNorm| -> Result<DevNorm> {
-            check_len(&n.w, h, "norm")?;
-            Ok(DevNorm {
+    /// Uploads `w` (any ggml format, rounded to bf16; norms and biases as f32), one layer at a
+    /// time so the host holds one layer's bf16 copy at once.
+    pub fn upload(gpu: &Gpu, cfg: &ModelConfig, w: &Weights) -> Result<DenseWeights> {
+        validate(cfg)?;
+        ensure!(
+            w.layers.len() == cfg.n_layers(),
+            "{} layers of weights for {} in the config",
+            w.layers.len(),
+            cfg.n_layers()
+        );
+        let norm = |n: &NormWeights| -> Result<DeviceNorm> {
+            ensure!(n.w.len() == cfg.hidden, "norm of {} values", n.w.len());
+            Ok(DeviceNorm {
                 w: gpu.upload(&n.w)?,
                 b: n.b.as_deref().map(|b| gpu.upload(b)).transpose()?,
             })
@@ -281,55 +247,88 @@ impl DenseWeights {
         let opt = |v: &Option<Vec<f32>>| -> Result<Option<CudaSlice<f32>>> {
             v.as_deref().map(|b| gpu.upload(b)).transpose()
         };
-        let mut dl = Vec::with_capacity(cfg.n_layers());
-        for (l, hl) in layers.enumerate() {
-            let hl = hl?;
-            ensure!(l < cfg.n_layers(), "more layers than the config has");
-            check_len(&hl.qkv, cfg.qkv_dim() * h, "qkv")?;
-            check_len(&hl.o, h * cfg.q_dim(), "o")?;
-            check_len(&hl.gate_up, cfg.gate_up_rows() * h, "gate/up")?;
-            check_len(&hl.down, h * cfg.intermediate, "down")?;
-            dl.push(DevLayer {
-                attn_norm: hl.attn_norm.as_ref().map(norm).transpose()?,
-                qkv: gpu.upload(&hl.qkv)?,
-                qkv_bias: opt(&hl.qkv_bias)?,
-                q_norm: opt(&hl.q_norm)?,
-                k_norm: opt(&hl.k_norm)?,
-                o: gpu.upload(&hl.o)?,
-                o_bias: opt(&hl.o_bias)?,
-                post_attn_norm: hl.post_attn_norm.as_ref().map(norm).transpose()?,
-                ffn_norm: hl.ffn_norm.as_ref().map(norm).transpose()?,
-                gate_up: gpu.upload(&hl.gate_up)?,
-                gate_up_bias: opt(&hl.gate_up_bias)?,
-                down: gpu.upload(&hl.down)?,
-                down_bias: opt(&hl.down_bias)?,
-                post_ffn_norm: hl.post_ffn_norm.as_ref().map(norm).transpose()?,
-                inv_freq: cfg.layers[l]
+        // Several projections stacked into one matrix (biases side by side, zeros where one
+        // has none; no bias if none has one).
+        let linear = |ls: &[&trellm_model::weights::Linear], rows: usize, cols: usize| {
+            let ms = ls.iter().map(|l| ggml(&l.w)).collect::<Result<Vec<_>>>()?;
+            ensure!(
+                ms.iter().map(|m| m.rows).sum::<usize>() == rows
+                    && ms.iter().all(|m| m.cols == cols),
+                "a projection of {:?}, expected {rows}x{cols}",
+                ms.iter().map(|m| (m.rows, m.cols)).collect::<Vec<_>>()
+            );
+            let b = if ls.iter().all(|l| l.b.is_none()) {
+                None
+            } else {
+                let mut v = Vec::with_capacity(rows);
+                for l in ls {
+                    match &l.b {
+                        Some(b) => v.extend_from_slice(b),
+                        None => v.extend(std::iter::repeat_n(0.0, l.w.rows())),
+                    }
+                }
+                Some(gpu.upload(&v)?)
+            };
+            Ok(Bf16Linear {
+                w: gpu.upload(&bf16_rows(&ms))?,
+                b,
+            })
+        };
+        let h = cfg.hidden;
+        let mut layers = Vec::with_capacity(cfg.n_layers());
+        for (lw, spec) in w.layers.iter().zip(&cfg.layers) {
+            let gate_up = match &lw.gate {
+                Some(g) => vec![g, &lw.up],
+                None => vec![&lw.up],
+            };
+            layers.push(LayerBuffers {
+                attn_norm: lw.attn_norm.as_ref().map(norm).transpose()?,
+                qkv: linear(&[&lw.q, &lw.k, &lw.v], cfg.qkv_dim(), h)?,
+                q_norm: opt(&lw.q_norm)?,
+                k_norm: opt(&lw.k_norm)?,
+                o: linear(&[&lw.o], h, cfg.q_dim())?,
+                post_attn_norm: lw.post_attn_norm.as_ref().map(norm).transpose()?,
+                ffn_norm: lw.ffn_norm.as_ref().map(norm).transpose()?,
+                gate_up: linear(&gate_up, cfg.gate_up_rows(), h)?,
+                down: linear(&[&lw.down], h, cfg.intermediate)?,
+                post_ffn_norm: lw.post_ffn_norm.as_ref().map(norm).transpose()?,
+                inv_freq: spec
                     .rope
                     .as_ref()
-                    .map(|r| gpu.upload(&r.inv_freq))
+                    .map(|r| gpu.upload(&r.inv_freq(1)))
                     .transpose()?,
             });
         }
         ensure!(
-            dl.len() == cfg.n_layers(),
-            "fewer layers than the config has"
+            w.embed.rows == cfg.vocab && w.embed.cols == h,
+            "embedding of {}x{}",
+            w.embed.rows,
+            w.embed.cols
         );
-        if let Some(lm) = lm_head {
-            check_len(lm, cfg.vocab * h, "lm_head")?;
-        }
+        let lm_head = if cfg.tied_embeddings {
+            None
+        } else {
+            let m = ggml(&w.lm_head)?;
+            ensure!(
+                m.rows == cfg.vocab && m.cols == h,
+                "lm_head of {}x{}",
+                m.rows,
+                m.cols
+            );
+            Some(gpu.upload(&bf16_rows(&[m]))?)
+        };
         Ok(DenseWeights {
-            embed: gpu.upload(embed)?,
-            layers: dl,
-            final_norm: norm(final_norm)?,
-            lm_head: lm_head.map(|v| gpu.upload(v)).transpose()?,
+            embed: gpu.upload(&bf16_rows(&[&w.embed]))?,
+            layers,
+            final_norm: norm(&w.final_norm)?,
+            lm_head,
         })
     }
 
     /// Seeded random weights generated on the device (uniform, scaled by `1/sqrt(fan_in)`), norms
     /// of one; biases zero. Nothing large crosses the bus.
-    pub fn synthetic(gpu: &Gpu, cfg: &DenseConfig, seed: u64) -> Result<DenseWeights> {
-        cfg.validate()?;
+    pub fn synthetic(gpu: &Gpu, cfg: &ModelConfig, seed: u64) -> Result<DenseWeights> {
+        validate(cfg)?;
         let fill = gpu.function(&kernels::ELEMENTWISE, &[], "fill_uniform_bf16")?;
         let fill_f = gpu.function(&kernels::ELEMENTWISE, &[], "fill_f32")?;
         let mut counter = seed.wrapping_mul(0x2545_f491_4f6c_dd1d);
@@ -363,12 +362,12 @@ impl DenseWeights {
             Ok(s)
         };
         let h = cfg.hidden;
-        let norm = |ones: &dyn Fn(usize) -> Result<CudaSlice<f32>>| -> Result<DevNorm> {
-            Ok(DevNorm {
+        let norm = |ones: &dyn Fn(usize) -> Result<CudaSlice<f32>>| -> Result<DeviceNorm> {
+            Ok(DeviceNorm {
                 w: ones(h)?,
                 b: match cfg.norm {
-                    NormKind::Rms => None,
-                    NormKind::Layer => Some(gpu.alloc::<f32>(h)?),
+                    Norm::Rms => None,
+                    Norm::Layer => Some(gpu.alloc::<f32>(h)?),
                 },
             })
         };
@@ -379,30 +378,38 @@ impl DenseWeights {
         for spec in &cfg.layers {
             let qk = |n| -> Result<Option<CudaSlice<f32>>> {
                 match cfg.qk_norm {
-                    QkNormKind::None => Ok(None),
-                    QkNormKind::PerHead => ones(cfg.head_dim).map(Some),
-                    QkNormKind::Whole => ones(n).map(Some),
+                    QkNorm::None => Ok(None),
+                    QkNorm::PerHead => ones(cfg.head_dim).map(Some),
+                    QkNorm::Whole => ones(n).map(Some),
                 }
             };
-            layers.push(DevLayer {
+            layers.push(LayerBuffers {
                 attn_norm: cfg.pre_norms.then(|| norm(&ones)).transpose()?,
-                qkv: mat(cfg.qkv_dim(), h)?,
-                qkv_bias: zeros(cfg.qkv_bias, cfg.qkv_dim())?,
+                qkv: Bf16Linear {
+                    w: mat(cfg.qkv_dim(), h)?,
+                    b: zeros(cfg.qkv_bias, cfg.qkv_dim())?,
+                },
                 q_norm: qk(cfg.q_dim())?,
                 k_norm: qk(cfg.kv_dim())?,
-                o: mat(h, cfg.q_dim())?,
-                o_bias: zeros(cfg.o_bias, h)?,
+                o: Bf16Linear {
+                    w: mat(h, cfg.q_dim())?,
+                    b: zeros(cfg.o_bias, h)?,
+                },
                 post_attn_norm: cfg.post_norms.then(|| norm(&ones)).transpose()?,
                 ffn_norm: cfg.pre_norms.then(|| norm(&ones)).transpose()?,
-                gate_up: mat(cfg.gate_up_rows(), h)?,
-                gate_up_bias: zeros(cfg.mlp_bias, cfg.gate_up_rows())?,
-                down: mat(h, cfg.intermediate)?,
-                down_bias: zeros(cfg.mlp_bias, h)?,
+                gate_up: Bf16Linear {
+                    w: mat(cfg.gate_up_rows(), h)?,
+                    b: zeros(cfg.mlp_bias, cfg.gate_up_rows())?,
+                },
+                down: Bf16Linear {
+                    w: mat(h, cfg.intermediate)?,
+                    b: zeros(cfg.mlp_bias, h)?,
+                },
                 post_ffn_norm: cfg.post_norms.then(|| norm(&ones)).transpose()?,
                 inv_freq: spec
                     .rope
                     .as_ref()
-                    .map(|r| gpu.upload(&r.inv_freq))
+                    .map(|r| gpu.upload(&r.inv_freq(1)))
                     .transpose()?,
             });
         }
@@ -423,106 +430,56 @@ impl DenseWeights {
     }
 }
 
-/// Key positions per attention split in decode (one 32-key tile per block; a multiple of 32,
-/// `TRELLM_CUDA_DECODE_CHUNK` overrides).
-const DECODE_CHUNK: usize = 32;
 /// Decode attention blocks to aim for when the splits share the actual context (H200 runs 6-7:
 /// 256 blocks, one 32-key tile each at ctx 512-640, beat 128 and 512).
 const DECODE_BLOCKS: usize = 256;
+/// The same for a batch of tokens: one split each (256 blocks of 20 serial tiles at B = 32) cost
+/// 2.2 ms a step at B = 64, 8B shape (H200, run 18); a few waves of short splits hide latency.
+const BATCH_DECODE_BLOCKS: usize = 1024;
+/// Keys per decode attention tile (`KT` in attention.cu): a split holds whole tiles.
+const ATT_KEYS: usize = 32;
 /// Rotary pairs per block of the qkv GEMV with rope (`QKV_PAIRS` in gemv.cu).
 const QKV_PAIRS: usize = 2;
 /// Rows per block of the residual GEMV (`RES_ROWS` in gemv.cu).
 const RES_ROWS: usize = 4;
-/// Stacked query rows per flash-attention block (`FA_ROWS` in attention.cu).
-const FLASH_ROWS: usize = 64;
+/// Integer buckets of one deferred-norm sum of squares (`SS_BUCKETS` in gemv.cu).
+const SS_BUCKETS: usize = 16;
 /// Query rows per attention block (`ATT_ROWS` in attention.cu).
 const ATT_ROWS: usize = 4;
+const ARGMAX_BLOCKS: usize = 128;
+/// Positions per block of a paged KV cache (the engine's `BLOCK_SIZE`).
+pub const KV_BLOCK: usize = 16;
+/// Most sequences one pass of a batch step takes (the step is split into passes beyond).
+pub const MAX_SEQS: usize = 64;
 
-/// Kernel choices that can be switched for measurement. Run 6 (H200) made defaults of the qkv GEMV
-/// with rope in its epilogue (`TRELLM_CUDA_FUSE_ROPE=0` off), the residual adds in the o/down
-/// GEMVs with the next RMSNorm deferred into the next GEMV (`TRELLM_CUDA_RES_EPI=0` off), and
-/// decode attention splits sized to the chip over the actual context
-/// (`TRELLM_CUDA_DECODE_SPLITS=0`: fixed splits over the whole cache); run 9 the cluster
-/// attention for short contexts (`TRELLM_CUDA_CLUSTER=0` off). The last-block residual + norm
-/// stays off by default: on the H200 (Llama-3.1-8B shape, ctx 512) it cost +1.1 ms a token (one
-/// SM runs the serial tail while the rest of the chip idles; scripts/gpu/NOTES.md, run 5);
-/// `TRELLM_CUDA_FUSE_RESIDUAL=1` turns it on.
-#[derive(Debug, Clone, Copy)]
-struct Tuning {
-    /// RoPE and the cache write in the qkv GEMV's epilogue (no q/k norms).
-    fuse_rope: bool,
-    /// Blocks per thread-block cluster of decode attention (`TRELLM_CUDA_CLUSTER`, 2..=8;
-    /// 0 = off): the splits of a kv head merge through distributed shared memory instead of a
-    /// combine kernel. Used while the context is at most `cluster_ctx` positions
-    /// (`TRELLM_CUDA_CLUSTER_CTX`); longer contexts replay a graph with the split count sized to
-    /// the chip and the combine kernel.
-    cluster: usize,
-    cluster_ctx: usize,
-    /// Attention starts behind the qkv projection (PDL) and loads its older keys while that one
-    /// finishes (`TRELLM_CUDA_ATTN_PDL=1`; off: +0.13 ms a token on the H200, run 12).
-    attn_pdl: bool,
-    /// Prefill attention in one tensor-core kernel without score matrices (`TRELLM_CUDA_FLASH=1`)
-    /// instead of two batched GEMMs and a softmax. Off: as written (synchronous tile loads, no
-    /// pipelining) it matched the GEMM path, 14.9 vs 15.1 ms a 2048-token prefill (H200 run 13).
-    flash: bool,
-    /// The residual add and next norm in the o/down GEMV's epilogue and last block.
-    fuse_residual: bool,
-    /// Prefill's gate/up GEMM writes bf16 instead of f32 (`TRELLM_CUDA_GU_BF16=1`).
-    gu_bf16: bool,
-    /// Elements of the GEMM attention's score buffer (`TRELLM_CUDA_ATTN_BUDGET`: log2).
-    attn_budget: usize,
-    decode_chunk: usize,
-    /// Decode's residual adds in the o/down GEMVs' epilogues with the next RMSNorm deferred into
-    /// the next GEMV (`TRELLM_CUDA_RES_EPI=0` turns it off: separate residual+norm kernels).
-    res_epi: bool,
-    /// Decode attention splits sized to the chip, sharing the actual context
-    /// (`TRELLM_CUDA_DECODE_SPLITS`: a count, 0 = fixed `decode_chunk`-key splits over the
-    /// whole cache). `None` aims at `DECODE_BLOCKS` blocks.
-    decode_splits: Option<usize>,
+/// The decoder's sizes and thresholds; the defaults are the measured best on the H200
+/// (scripts/gpu/NOTES.md). What measured worse was deleted rather than kept behind a switch: PDL
+/// (+0.1 ms a token in every configuration, runs 5-12), last-block residual + norm (+1.1 ms,
+/// run 5), last-block attention combine (+0.28 ms), bf16 gate/up in prefill, fixed-size decode
+/// splits over the whole cache, CUDA-core prefill attention and the first flash-attention
+/// prefill kernel (equal to the GEMM path, run 13).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Options {
+    /// Blocks per thread-block cluster of decode attention (2..=8, sm_90+): the splits of a kv
+    /// head merge through distributed shared memory instead of a combine kernel (run 9: 8 beat 4
+    /// and matched 16, which needs the non-portable size).
+    pub cluster: usize,
+    /// The longest context decode runs the cluster attention for; longer contexts replay a graph
+    /// with the split count sized to the chip and the combine kernel.
+    pub cluster_ctx: usize,
+    /// Elements of the prefill attention's score buffer (f32; bounds the query rows a chunk).
+    pub attn_score_budget: usize,
 }
 
-impl Tuning {
-    fn from_env() -> Tuning {
-        let on = |k: &str| std::env::var(k).as_deref() == Ok("1");
-        let decode_chunk = std::env::var("TRELLM_CUDA_DECODE_CHUNK")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .filter(|&c| c >= 32 && c.is_multiple_of(32))
-            .unwrap_or(DECODE_CHUNK);
-        Tuning {
-            fuse_rope: std::env::var("TRELLM_CUDA_FUSE_ROPE").as_deref() != Ok("0"),
-            cluster: env_usize("TRELLM_CUDA_CLUSTER")
-                .filter(|&c| c == 0 || (2..=8).contains(&c))
-                .unwrap_or(DECODE_CLUSTER),
-            cluster_ctx: env_usize("TRELLM_CUDA_CLUSTER_CTX").unwrap_or(DECODE_CLUSTER_CTX),
-            attn_pdl: on("TRELLM_CUDA_ATTN_PDL"),
-            flash: on("TRELLM_CUDA_FLASH"),
-            fuse_residual: on("TRELLM_CUDA_FUSE_RESIDUAL"),
-            gu_bf16: on("TRELLM_CUDA_GU_BF16"),
-            attn_budget: std::env::var("TRELLM_CUDA_ATTN_BUDGET")
-                .ok()
-                .and_then(|v| v.parse::<u32>().ok())
-                .filter(|&b| (6..=30).contains(&b))
-                .map_or(ATTN_SCORE_BUDGET, |b| 1 << b),
-            decode_chunk,
-            res_epi: std::env::var("TRELLM_CUDA_RES_EPI").as_deref() != Ok("0"),
-            decode_splits: std::env::var("TRELLM_CUDA_DECODE_SPLITS")
-                .ok()
-                .and_then(|v| v.parse::<usize>().ok()),
+impl Default for Options {
+    fn default() -> Options {
+        Options {
+            cluster: 8,
+            cluster_ctx: 1024,
+            attn_score_budget: 1 << 25,
         }
     }
 }
-/// A numeric tuning variable, if set and a number.
-fn env_usize(k: &str) -> Option<usize> {
-    std::env::var(k).ok().and_then(|v| v.parse::<usize>().ok())
-}
-/// Decode attention's cluster size and the longest context it is used for (see
-/// `Tuning::cluster`).
-const DECODE_CLUSTER: usize = 8;
-const DECODE_CLUSTER_CTX: usize = 1024;
-const ARGMAX_BLOCKS: usize = 128;
-/// Elements of the prefill attention's score buffer (f32; the bf16 probabilities match it).
-const ATTN_SCORE_BUDGET: usize = 1 << 25;
 
 struct Funcs {
     embed: CudaFunction,
@@ -536,10 +493,10 @@ struct Funcs {
     attn_combine: CudaFunction,
     attn_softmax: CudaFunction,
     attn_unstack: CudaFunction,
-    attn_flash: CudaFunction,
+    kv_gather: CudaFunction,
+    gather_rows: CudaFunction,
     gemv_f32: CudaFunction,
     gemv_qkv_rope: CudaFunction,
-    gemv_residual: CudaFunction,
     gemv_res: CudaFunction,
     gemv_glu: CudaFunction,
     gemv_act: CudaFunction,
@@ -575,17 +532,29 @@ struct Buffers {
     o_stacked: CudaSlice<u16>,
     scores: CudaSlice<f32>,
     probs: CudaSlice<u16>,
-    /// The residual GEMVs' last-block counters (o, down).
-    res_counters: CudaSlice<i32>,
-    /// Decode's deferred-norm sums of squares: layer l's o GEMV fills slot 2l, its down GEMV
-    /// slot 2l + 1 (see gemv_res).
-    ss: CudaSlice<f32>,
+    /// Decode's deferred-norm sums of squares, `SS_BUCKETS` integer buckets a slot: layer l's o
+    /// GEMV fills slot 2l, its down GEMV slot 2l + 1 (see gemv_res and ss_add in gemv.cu).
+    ss: CudaSlice<u64>,
+    /// A batch step's block tables (every sequence's, one after the other), each token's offset
+    /// into them, the tokens decode attention takes (one-token sequences), the rows whose logits
+    /// are wanted and those rows of xn gathered; one sequence's keys and values gathered
+    /// contiguous for the prefill GEMMs.
+    tables: CudaSlice<i32>,
+    table_off: CudaSlice<i32>,
+    tok_idx: CudaSlice<i32>,
+    rows: CudaSlice<i32>,
+    sel: CudaSlice<u16>,
+    k_gather: CudaSlice<u16>,
+    v_gather: CudaSlice<u16>,
 }
 
 /// A model on the GPU with its KV cache (one sequence).
 pub struct DenseModel {
     pub gpu: Arc<Gpu>,
-    pub cfg: DenseConfig,
+    pub cfg: ModelConfig,
+    pub plan: Plan,
+    /// The plan's layers as the decoder runs them.
+    ops: Vec<LayerOps>,
     pub w: DenseWeights,
     /// KV cache capacity in positions.
     pub max_context: usize,
@@ -598,11 +567,12 @@ pub struct DenseModel {
     rope_tables: Vec<Option<Vec<f32>>>,
     /// The decode graphs, captured on first use: [split attention + combine, cluster attention].
     graphs: [Option<CudaGraph>; 2],
-    /// Prefill attention as cuBLAS GEMMs (`TRELLM_CUDA_ATTN_GEMM=0`: the CUDA-core kernel).
-    attn_gemm: bool,
+    /// Graphs of one-token batch passes over a paged cache, by (the cache's id, cluster
+    /// attention): inputs are read from the step buffers, written before each replay.
+    paged_graphs: Vec<((u64, bool), CudaGraph)>,
     /// Query tokens per chunk of the GEMM attention (bounds the score buffer).
     attn_rows: usize,
-    tuning: Tuning,
+    opts: Options,
 }
 
 /// Where a forward pass takes its inputs.
@@ -613,30 +583,93 @@ struct Inputs {
     pos: u64,
     /// Decode: GEMV, many attention splits, and the argmax advances the position.
     decode: bool,
-    /// Decode attention as one cluster launch (see `Tuning::cluster`).
+    /// Decode attention as one cluster launch (see `Options::cluster`).
     cluster: bool,
     /// Keys in the cache once these rows are written (positions are `kv_len - m..kv_len`).
     kv_len: usize,
 }
 
+/// A sequence's tokens `off..off + len` of a pass, at positions `start..`, whose attention runs
+/// through the prefill GEMMs; `table`: its block table on the device (0: the contiguous cache).
+#[derive(Clone, Copy, Debug)]
+struct Seg {
+    off: usize,
+    len: usize,
+    start: usize,
+    table: u64,
+}
+
+/// A pass of a batch step over a paged cache.
+struct Paged<'a> {
+    kv: &'a PagedKv,
+    tables: u64,
+    table_off: u64,
+    /// The tokens whose attention runs in attn_partial (those of one-token sequences).
+    tok_idx: u64,
+    singles: usize,
+    segs: Vec<Seg>,
+    /// Rows of the pass whose logits are wanted (listed in `Buffers::rows`).
+    rows: usize,
+}
+
+/// A KV cache of `blocks` blocks of `KV_BLOCK` positions on the device, per layer keys and
+/// values `[slot][kv_head][head_dim]` (bf16), slot = block * KV_BLOCK + position in the block.
+pub struct PagedKv {
+    k: Vec<CudaSlice<u16>>,
+    v: Vec<CudaSlice<u16>>,
+    pub blocks: usize,
+    /// Unique for the process's life (graphs captured over this cache are keyed by it).
+    id: u64,
+}
+
+static NEXT_KV_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 impl DenseModel {
+    /// The decoder with the default [`Options`].
     pub fn new(
         gpu: Arc<Gpu>,
-        cfg: DenseConfig,
+        cfg: &ModelConfig,
+        plan: &Plan,
         w: DenseWeights,
         max_context: usize,
         max_prefill: usize,
     ) -> Result<DenseModel> {
-        cfg.validate()?;
+        Self::with_options(
+            gpu,
+            cfg,
+            plan,
+            w,
+            max_context,
+            max_prefill,
+            Options::default(),
+        )
+    }
+
+    pub fn with_options(
+        gpu: Arc<Gpu>,
+        cfg: &ModelConfig,
+        plan: &Plan,
+        w: DenseWeights,
+        max_context: usize,
+        max_prefill: usize,
+        opts: Options,
+    ) -> Result<DenseModel> {
+        validate(cfg)?;
+        ensure!(
+            plan.layers.len() == cfg.n_layers() && w.layers.len() == cfg.n_layers(),
+            "the plan, the weights and the config disagree on the layer count"
+        );
+        let ops = (plan.layers.iter().zip(&w.layers).enumerate())
+            .map(|(l, (lp, lw))| LayerOps::of(l, lp, lw))
+            .collect::<Result<Vec<_>>>()?;
         ensure!(max_context > 0 && max_prefill > 0, "empty context");
+        ensure!(
+            (2..=8).contains(&opts.cluster),
+            "cluster size {} (2..=8)",
+            opts.cluster
+        );
         let e = |n| gpu.function(&kernels::ELEMENTWISE, &[], n);
-        // The GEMV's unroll depth can be overridden for tuning (`TRELLM_GEMV_UNROLL`).
-        let gemv_defs: Vec<String> = std::env::var("TRELLM_GEMV_UNROLL")
-            .ok()
-            .filter(|u| u.parse::<u32>().is_ok())
-            .map(|u| vec![format!("UNROLL={u}")])
-            .unwrap_or_default();
-        let g = |n| gpu.function(&kernels::GEMV, &gemv_defs, n);
+        let g = |n| gpu.function(&kernels::GEMV, &[], n);
         let hd = [format!("HEAD_DIM={}", cfg.head_dim)];
         let f = Funcs {
             embed: e("embed_rows")?,
@@ -650,21 +683,21 @@ impl DenseModel {
             attn_combine: gpu.function(&kernels::ATTENTION, &hd, "attn_combine")?,
             attn_softmax: gpu.function(&kernels::ATTENTION, &hd, "attn_softmax")?,
             attn_unstack: gpu.function(&kernels::ATTENTION, &hd, "attn_unstack")?,
-            attn_flash: gpu.function(&kernels::ATTENTION, &hd, "attn_flash")?,
+            kv_gather: gpu.function(&kernels::ATTENTION, &hd, "kv_gather")?,
+            gather_rows: e("gather_rows")?,
             gemv_f32: g("gemv_f32")?,
             gemv_qkv_rope: g("gemv_qkv_rope")?,
-            gemv_residual: g("gemv_residual")?,
             gemv_res: g("gemv_res")?,
             gemv_glu: g("gemv_glu")?,
             gemv_act: g("gemv_act")?,
         };
         let t = max_prefill;
         let h = cfg.hidden;
-        let tuning = Tuning::from_env();
-        let splits = max_context.div_ceil(tuning.decode_chunk);
-        let part_rows = (t * cfg.n_heads).max(cfg.n_heads * splits);
+        // Attention partials: up to MAX_SEQS tokens' heads, each with up to the decode split count.
+        let splits = decode_splits(cfg, max_context, 1).max(opts.cluster);
+        let part_rows = MAX_SEQS * cfg.n_heads * splits;
         let kv = max_context * cfg.kv_dim();
-        let attn_rows = (tuning.attn_budget / (cfg.n_heads * max_context)).clamp(1, t);
+        let attn_rows = (opts.attn_score_budget / (cfg.n_heads * max_context)).clamp(1, t);
         let score_elems = cfg.n_heads * attn_rows * (max_context + 8);
         let b = Buffers {
             x: gpu.alloc(t * h)?,
@@ -675,7 +708,7 @@ impl DenseModel {
             y: gpu.alloc(t * h)?,
             gu: gpu.alloc(t * cfg.gate_up_rows())?,
             act: gpu.alloc(t * cfg.intermediate)?,
-            logits: gpu.alloc(cfg.vocab)?,
+            logits: gpu.alloc(MAX_SEQS * cfg.vocab)?,
             part_acc: gpu.alloc(part_rows * cfg.head_dim)?,
             part_ml: gpu.alloc(part_rows * 2)?,
             argmax: gpu.alloc(ARGMAX_BLOCKS)?,
@@ -695,17 +728,24 @@ impl DenseModel {
             o_stacked: gpu.alloc(t * cfg.q_dim())?,
             scores: gpu.alloc(score_elems)?,
             probs: gpu.alloc(score_elems)?,
-            res_counters: gpu.alloc(2)?,
-            ss: gpu.alloc(2 * cfg.n_layers())?,
+            ss: gpu.alloc(2 * cfg.n_layers() * SS_BUCKETS)?,
+            tables: gpu.alloc(MAX_SEQS * max_context.div_ceil(KV_BLOCK) + t)?,
+            table_off: gpu.alloc(t)?,
+            tok_idx: gpu.alloc(t.min(MAX_SEQS))?,
+            rows: gpu.alloc(MAX_SEQS)?,
+            sel: gpu.alloc(MAX_SEQS * h)?,
+            k_gather: gpu.alloc(kv)?,
+            v_gather: gpu.alloc(kv)?,
         };
-        let rope_tables = cfg
-            .layers
+        let rope_tables = ops
             .iter()
-            .map(|l| l.rope.as_ref().map(|r| r.inv_freq.clone()))
+            .map(|o| o.qkv.rope.as_ref().map(|r| r.inv_freq(1)))
             .collect();
         Ok(DenseModel {
             gpu,
-            cfg,
+            cfg: cfg.clone(),
+            plan: plan.clone(),
+            ops,
             w,
             max_context,
             max_prefill,
@@ -714,9 +754,9 @@ impl DenseModel {
             len: 0,
             rope_tables,
             graphs: [None, None],
-            attn_gemm: std::env::var("TRELLM_CUDA_ATTN_GEMM").as_deref() != Ok("0"),
+            paged_graphs: Vec::new(),
             attn_rows,
-            tuning,
+            opts,
         })
     }
 
@@ -762,7 +802,7 @@ impl DenseModel {
                 cluster: false,
                 kv_len: self.len + n,
             };
-            self.enqueue(inp)?;
+            self.enqueue(inp, None)?;
             self.len += n;
             done += n;
         }
@@ -799,7 +839,7 @@ impl DenseModel {
         let inp = self.decode_inputs(cluster);
         g.spin(20.0)?;
         g.start_profile();
-        let r = self.enqueue(inp);
+        let r = self.enqueue(inp, None);
         let prof = g.finish_profile();
         r?;
         self.len += 1;
@@ -840,19 +880,12 @@ impl DenseModel {
     /// Dynamic RoPE: uploads the layers' inverse frequencies for a pass whose last position is
     /// `seq_len - 1` where they change (stream-ordered, so a graph replayed next reads them).
     fn refresh_rope(&mut self, seq_len: usize) -> Result<()> {
-        for (l, spec) in self.cfg.layers.iter().enumerate() {
-            let Some(RopeSpec {
-                dynamic: Some(at), ..
-            }) = &spec.rope
-            else {
+        for (l, ops) in self.ops.iter().enumerate() {
+            let Some(rope) = ops.qkv.rope.as_ref().filter(|r| r.is_dynamic()) else {
                 continue;
             };
-            let table = (at.0)(seq_len);
+            let table = rope.inv_freq(seq_len);
             if self.rope_tables[l].as_ref() != Some(&table) {
-                ensure!(
-                    table.len() == spec.rope.as_ref().unwrap().dims / 2,
-                    "inv_freq length"
-                );
                 let dev = self.w.layers[l]
                     .inv_freq
                     .as_mut()
@@ -864,22 +897,9 @@ impl DenseModel {
         Ok(())
     }
 
-    /// Turns the flash-attention prefill on or off (see `Tuning::flash`), e.g. for tests.
-    pub fn set_flash_attention(&mut self, on: bool) {
-        self.tuning.flash = on;
-    }
-
-    /// Whether prefill attention runs as one flash-attention kernel (`Tuning::flash`; head dims
-    /// that are multiples of 16 up to 128).
-    fn flash_attention(&self) -> bool {
-        let hd = self.cfg.head_dim;
-        self.tuning.flash && hd.is_multiple_of(16) && hd <= 128
-    }
-
     /// Whether a decode step over `ctx` positions runs the cluster attention.
     fn cluster_attention(&self, ctx: usize) -> bool {
-        let t = &self.tuning;
-        t.cluster >= 2 && ctx <= t.cluster_ctx && self.gpu.sm90_or_newer()
+        ctx <= self.opts.cluster_ctx && self.gpu.sm90_or_newer()
     }
 
     fn decode_inputs(&self, cluster: bool) -> Inputs {
@@ -900,7 +920,7 @@ impl DenseModel {
         g.sync()?;
         g.stream
             .begin_capture(dsys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-        let r = self.enqueue(inp);
+        let r = self.enqueue(inp, None);
         let graph = g
             .stream
             .end_capture(dsys::CUgraphInstantiate_flags(0))
@@ -909,12 +929,6 @@ impl DenseModel {
         let graph = graph?.ok_or_else(|| anyhow!("empty decode graph"))?;
         graph.upload()?;
         Ok(graph)
-    }
-
-    /// Drops the captured decode graphs (the next step captures anew, e.g. after
-    /// [`Gpu::set_pdl`]).
-    pub fn recapture(&mut self) {
-        self.graphs = [None, None];
     }
 
     /// A graph of only the decode step's weight streaming: every layer's GEMVs and the output
@@ -929,10 +943,10 @@ impl DenseModel {
         let r = (|| -> Result<()> {
             let (xn, y, act) = (g.ptr(&b.xn), g.ptr(&b.y), g.ptr(&b.act));
             for lw in &self.w.layers {
-                self.matmul(1, xn, g.ptr(&lw.qkv), c.qkv_dim(), h, g.ptr(&b.qkv))?;
-                self.matmul(1, g.ptr(&b.attn), g.ptr(&lw.o), h, c.q_dim(), y)?;
+                self.matmul(1, xn, g.ptr(&lw.qkv.w), c.qkv_dim(), h, g.ptr(&b.qkv))?;
+                self.matmul(1, g.ptr(&b.attn), g.ptr(&lw.o.w), h, c.q_dim(), y)?;
                 let ff = c.intermediate;
-                let (func, blocks) = if c.gated {
+                let (func, blocks) = if c.gated() {
                     (&self.f.gemv_glu, ff)
                 } else {
                     (&self.f.gemv_act, ff.div_ceil(2))
@@ -942,12 +956,12 @@ impl DenseModel {
                     (blocks as u32, 1, 1),
                     128,
                     &[
-                        Arg::Ptr(g.ptr(&lw.gate_up)),
+                        Arg::Ptr(g.ptr(&lw.gate_up.w)),
                         Arg::I32(ff as i32),
                         Arg::I32(h as i32),
                         Arg::Ptr(xn),
                         Arg::Ptr(0),
-                        Arg::I32(c.activation as i32),
+                        Arg::I32(act_code(c.activation)),
                         Arg::Ptr(act),
                         Arg::Ptr(0),
                         Arg::F32(0.0),
@@ -955,7 +969,7 @@ impl DenseModel {
                         Arg::Ptr(0),
                     ],
                 )?;
-                self.matmul(1, act, g.ptr(&lw.down), h, ff, y)?;
+                self.matmul(1, act, g.ptr(&lw.down.w), h, ff, y)?;
             }
             let head = self.w.lm_head.as_ref().unwrap_or(&self.w.embed);
             self.matmul(1, xn, g.ptr(head), c.vocab, h, g.ptr(&b.logits))
@@ -969,7 +983,251 @@ impl DenseModel {
 
     /// The last computed logits (synchronises).
     pub fn logits(&self) -> Result<Vec<f32>> {
-        Ok(self.gpu.stream.clone_dtoh(&self.b.logits)?)
+        Ok(self
+            .gpu
+            .stream
+            .clone_dtoh(&self.b.logits.slice(0..self.cfg.vocab))?)
+    }
+
+    /// A paged KV cache of `blocks` blocks of `KV_BLOCK` positions for
+    /// [`step_batch`](Self::step_batch).
+    pub fn paged_kv(&self, blocks: usize) -> Result<PagedKv> {
+        let n = (blocks * KV_BLOCK * self.cfg.kv_dim()).max(1);
+        let layers = || -> Result<Vec<CudaSlice<u16>>> {
+            (0..self.cfg.n_layers())
+                .map(|_| self.gpu.alloc::<u16>(n))
+                .collect()
+        };
+        Ok(PagedKv {
+            k: layers()?,
+            v: layers()?,
+            blocks,
+            id: NEXT_KV_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+        })
+    }
+
+    /// Copies whole blocks `(src, dst)` of every layer's keys and values (copy-on-write of a
+    /// shared block before it is extended).
+    pub fn copy_blocks(&self, kv: &mut PagedKv, copies: &[(u32, u32)]) -> Result<()> {
+        let bytes = KV_BLOCK * self.cfg.kv_dim() * 2;
+        for &(src, dst) in copies {
+            ensure!(
+                (src as usize) < kv.blocks && (dst as usize) < kv.blocks && src != dst,
+                "copy of block {src} to {dst} in a cache of {} blocks",
+                kv.blocks
+            );
+            for buf in kv.k.iter().chain(&kv.v) {
+                let base = self.gpu.ptr(buf);
+                // SAFETY: both ranges lie inside `buf` (checked above) and do not overlap; the
+                // copy is ordered on the model's stream.
+                unsafe {
+                    cudarc::driver::result::memcpy_dtod_async(
+                        base + (dst as usize * bytes) as u64,
+                        base + (src as usize * bytes) as u64,
+                        bytes,
+                        self.gpu.stream.cu_stream(),
+                    )
+                }
+                .context("copying a KV block")?;
+            }
+        }
+        Ok(())
+    }
+
+    /// One step of an engine batch over the paged cache `kv`: every sequence's new tokens at
+    /// its positions, keys and values written through its block table; returns the wanted
+    /// logits, `vocab` a row, sequence by sequence. One-token sequences take the decode
+    /// attention, longer runs the prefill GEMMs (their keys gathered from the blocks). A step of
+    /// more than `max_prefill` tokens or `MAX_SEQS` sequences runs as several passes (a
+    /// sequence may be split between them: its later tokens read the keys the earlier wrote).
+    pub fn step_batch(&mut self, batch: &Batch, kv: &PagedKv) -> Result<Vec<f32>> {
+        // Dynamic RoPE's tables follow one sequence's length: one sequence a pass.
+        let dynamic = self
+            .ops
+            .iter()
+            .any(|o| o.qkv.rope.as_ref().is_some_and(|r| r.is_dynamic()));
+        let mut out = Vec::with_capacity(batch.logit_rows() * self.cfg.vocab);
+        let mut pass: Vec<(usize, usize, usize)> = Vec::new();
+        let mut n_tok = 0;
+        for (i, s) in batch.seqs.iter().enumerate() {
+            ensure!(
+                s.want != Want::All,
+                "logits at every prompt position (--prompt-logprobs) are computed on the CPU only; drop --device cuda"
+            );
+            ensure!(
+                s.offset + s.len <= batch.tokens.len(),
+                "sequence {i}: tokens out of range"
+            );
+            ensure!(
+                s.start + s.len <= self.max_context,
+                "the context is full ({} positions on the GPU)",
+                self.max_context
+            );
+            ensure!(
+                s.blocks.len() * KV_BLOCK >= s.start + s.len
+                    && s.blocks.iter().all(|&b| (b as usize) < kv.blocks),
+                "sequence {i}: its blocks do not hold positions 0..{}",
+                s.start + s.len
+            );
+            let mut from = 0;
+            while from < s.len {
+                if n_tok == self.max_prefill
+                    || pass.len() == MAX_SEQS
+                    || (dynamic && !pass.is_empty())
+                {
+                    self.run_pass(batch, &pass, kv, &mut out)?;
+                    pass.clear();
+                    n_tok = 0;
+                }
+                let n = (s.len - from).min(self.max_prefill - n_tok);
+                pass.push((i, from, n));
+                n_tok += n;
+                from += n;
+            }
+        }
+        if !pass.is_empty() {
+            self.run_pass(batch, &pass, kv, &mut out)?;
+        }
+        Ok(out)
+    }
+
+    /// [`step_batch`](Self::step_batch) with every kernel and cuBLAS call timed (queued behind
+    /// a spin, as [`profile_decode_step`](Self::profile_decode_step)).
+    pub fn profile_step_batch(
+        &mut self,
+        batch: &Batch,
+        kv: &PagedKv,
+    ) -> Result<Vec<crate::KernelTime>> {
+        let g = self.gpu.clone();
+        g.spin(20.0)?;
+        g.start_profile();
+        let r = self.step_batch(batch, kv);
+        let prof = g.finish_profile();
+        r?;
+        prof
+    }
+
+    /// One pass of [`step_batch`](Self::step_batch): `pieces` are (sequence, first new token,
+    /// tokens).
+    fn run_pass(
+        &mut self,
+        batch: &Batch,
+        pieces: &[(usize, usize, usize)],
+        kv: &PagedKv,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        let g = self.gpu.clone();
+        let table_base = g.ptr(&self.b.tables);
+        let (mut tokens, mut pos, mut toff) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut tables, mut tok_idx, mut rows, mut segs) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut seq_len = 0;
+        for &(i, from, n) in pieces {
+            let s = &batch.seqs[i];
+            let t0 = tokens.len();
+            let first = s.offset + from;
+            tokens.extend(batch.tokens[first..first + n].iter().map(|&t| t as i32));
+            pos.extend((s.start + from..s.start + from + n).map(|p| p as i32));
+            let off = tables.len();
+            tables.extend(s.blocks.iter().map(|&b| b as i32));
+            toff.extend(std::iter::repeat_n(off as i32, n));
+            seq_len = seq_len.max(s.start + from + n);
+            if n == 1 {
+                tok_idx.push(t0 as i32);
+            } else {
+                segs.push(Seg {
+                    off: t0,
+                    len: n,
+                    start: s.start + from,
+                    table: table_base + 4 * off as u64,
+                });
+            }
+            if from + n == s.len && s.want == Want::Last {
+                rows.push((t0 + n - 1) as i32);
+            }
+        }
+        ensure!(
+            tables.len() <= self.b.tables.len(),
+            "block tables of {} entries (room for {})",
+            tables.len(),
+            self.b.tables.len()
+        );
+        ensure!(
+            tokens.iter().all(|&t| (t as usize) < self.cfg.vocab),
+            "a token id beyond the vocabulary ({})",
+            self.cfg.vocab
+        );
+        self.refresh_rope(seq_len)?;
+        let b = &mut self.b;
+        g.stream.memcpy_htod(&tokens, &mut b.tokens)?;
+        g.stream.memcpy_htod(&pos, &mut b.pos)?;
+        g.stream.memcpy_htod(&toff, &mut b.table_off)?;
+        g.stream.memcpy_htod(&tables, &mut b.tables)?;
+        if !tok_idx.is_empty() {
+            g.stream.memcpy_htod(&tok_idx, &mut b.tok_idx)?;
+        }
+        if !rows.is_empty() {
+            g.stream.memcpy_htod(&rows, &mut b.rows)?;
+        }
+        let m = tokens.len();
+        let inp = Inputs {
+            m,
+            tokens: g.ptr(&self.b.tokens),
+            pos: g.ptr(&self.b.pos),
+            decode: false,
+            cluster: m == 1 && self.cluster_attention(pos[0] as usize + 1),
+            kv_len: 0,
+        };
+        let pg = Paged {
+            kv,
+            tables: table_base,
+            table_off: g.ptr(&self.b.table_off),
+            tok_idx: g.ptr(&self.b.tok_idx),
+            singles: tok_idx.len(),
+            segs,
+            rows: rows.len(),
+        };
+        if m == 1 && pg.rows == 1 && !g.profiling() {
+            // One token (batch 1 decode): replay a graph of the pass, captured on first use.
+            let key = (kv.id, inp.cluster);
+            let i = match self.paged_graphs.iter().position(|(k, _)| *k == key) {
+                Some(i) => i,
+                None => {
+                    if self.paged_graphs.len() >= 4 {
+                        self.paged_graphs.clear();
+                    }
+                    g.sync()?;
+                    g.stream.begin_capture(
+                        dsys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+                    )?;
+                    let r = self.enqueue(inp, Some(&pg));
+                    let graph = g
+                        .stream
+                        .end_capture(dsys::CUgraphInstantiate_flags(0))
+                        .context("capturing a batch pass");
+                    r?;
+                    let graph = graph?.ok_or_else(|| anyhow!("empty graph"))?;
+                    graph.upload()?;
+                    self.paged_graphs.push((key, graph));
+                    self.paged_graphs.len() - 1
+                }
+            };
+            self.paged_graphs[i].1.launch()?;
+        } else {
+            self.enqueue(inp, Some(&pg))?;
+        }
+        // The host touches (faults in and zeroes) the output rows while the device computes, so
+        // the download below only copies.
+        let n_out = rows.len() * self.cfg.vocab;
+        let at = out.len();
+        out.resize(at + n_out, 0.0);
+        if n_out > 0 {
+            // Straight into the step's output (one copy, no temporary).
+            g.stream
+                .memcpy_dtoh(&self.b.logits.slice(0..n_out), &mut out[at..])?;
+            g.stream.synchronize()?;
+        }
+        Ok(())
     }
 
     /// The pending next token (the last argmax; synchronises).
@@ -1021,28 +1279,26 @@ impl DenseModel {
     /// bias or post-norm on the residual branches.
     fn res_epi(&self) -> bool {
         let c = &self.cfg;
-        self.tuning.res_epi
-            && !self.tuning.fuse_residual
-            && c.norm == NormKind::Rms
+        c.norm == Norm::Rms
             && self.w.layers.iter().all(|l| {
-                l.o_bias.is_none()
-                    && l.down_bias.is_none()
+                l.o.b.is_none()
+                    && l.down.b.is_none()
                     && l.post_attn_norm.is_none()
                     && l.post_ffn_norm.is_none()
             })
     }
 
-    fn enqueue(&self, inp: Inputs) -> Result<()> {
+    fn enqueue(&self, inp: Inputs, pg: Option<&Paged>) -> Result<()> {
         let (g, c, f, b) = (&*self.gpu, &self.cfg, &self.f, &self.b);
         let m = inp.m;
         let (h, hd) = (c.hidden, c.head_dim);
         let (qd, qkvd) = (c.q_dim(), c.qkv_dim());
         let eps = c.norm_eps;
-        let layer_norm = (c.norm == NormKind::Layer) as i32;
+        let layer_norm = (c.norm == Norm::Layer) as i32;
         let nb = (h.next_power_of_two().clamp(32, 1024)) as u32;
         let p = |s: &CudaSlice<f32>| g.ptr(s);
         let po = |s: &Option<CudaSlice<f32>>| s.as_ref().map_or(0, |s| g.ptr(s));
-        let pn = |n: &Option<DevNorm>| {
+        let pn = |n: &Option<DeviceNorm>| {
             (
                 n.as_ref().map_or(0, |n| g.ptr(&n.w)),
                 n.as_ref().map_or(0, |n| po(&n.b)),
@@ -1058,7 +1314,7 @@ impl DenseModel {
                 Arg::Ptr(inp.tokens),
                 Arg::Ptr(g.ptr(&self.w.embed)),
                 Arg::I32(h as i32),
-                Arg::F32(c.embed_scale.unwrap_or(1.0)),
+                Arg::F32(self.plan.embed_scale.unwrap_or(1.0)),
                 Arg::Ptr(x),
             ],
         )?;
@@ -1082,34 +1338,50 @@ impl DenseModel {
             ],
         )?;
         let group = c.n_heads / c.n_kv_heads;
-        let (chunk, splits) = if inp.decode && inp.cluster {
-            (0, self.tuning.cluster)
-        } else if inp.decode {
-            match self.decode_splits() {
-                Some(n) => (0, n),
-                None => {
-                    let dc = self.tuning.decode_chunk;
-                    (dc, self.max_context.div_ceil(dc))
-                }
-            }
+        let splits = if inp.cluster {
+            self.opts.cluster
+        } else if inp.decode || pg.is_some() {
+            decode_splits(c, self.max_context, pg.map_or(1, |pp| pp.singles))
         } else {
-            (self.max_context, 1)
+            1
         };
-        let rscale = c.residual_scale.unwrap_or(1.0);
-        let gemm_attn = m > 1 && self.attn_gemm;
+        // Which tokens' attention runs where: one-token sequences in attn_partial (a list of
+        // them, or token 0 alone), longer runs of one sequence through the prefill GEMMs.
+        let (singles, segs, tabs) = match pg {
+            None if m == 1 => (Some((0u64, 1usize)), Vec::new(), (0, 0)),
+            None => {
+                let seg = Seg {
+                    off: 0,
+                    len: m,
+                    start: inp.kv_len - m,
+                    table: 0,
+                };
+                (None, vec![seg], (0, 0))
+            }
+            Some(pp) => (
+                (pp.singles > 0).then_some((pp.tok_idx, pp.singles)),
+                pp.segs.clone(),
+                (pp.tables, pp.table_off),
+            ),
+        };
+        let gemm_attn = !segs.is_empty();
         // Deferred norms (decode): the sum of squares the next GEMV scales by (0: xn is final).
         let epi = m == 1 && self.res_epi();
-        let ss_slot = |i: usize| g.ptr(&b.ss) + 4 * i as u64;
+        let ss_slot = |i: usize| g.ptr(&b.ss) + (8 * SS_BUCKETS * i) as u64;
         let mut pending_ss = 0u64;
-        for (l, (lw, spec)) in self.w.layers.iter().zip(&c.layers).enumerate() {
-            let rope = spec.rope.as_ref();
-            let (kc, vc) = (g.ptr(&b.k_cache[l]), g.ptr(&b.v_cache[l]));
+        for (l, (lw, ops)) in self.w.layers.iter().zip(&self.ops).enumerate() {
+            let rope = ops.qkv.rope.as_ref();
+            let attn = &ops.attn;
+            let (kc, vc) = match pg {
+                Some(pp) => (g.ptr(&pp.kv.k[l]), g.ptr(&pp.kv.v[l])),
+                None => (g.ptr(&b.k_cache[l]), g.ptr(&b.v_cache[l])),
+            };
             let qkv_norm = if epi {
                 (pending_ss, ss_slot(2 * l))
             } else {
                 (0, 0)
             };
-            if m == 1 && c.qk_norm == QkNormKind::None && self.tuning.fuse_rope {
+            if m == 1 && ops.qkv.qk_norm == QkNorm::None {
                 // One token: the qkv GEMV does the rope kernel's work in its epilogue.
                 let na = self.norm_args(qkv_norm);
                 g.launch(
@@ -1117,20 +1389,20 @@ impl DenseModel {
                     ((qkvd / 2).div_ceil(QKV_PAIRS) as u32, 1, 1),
                     128,
                     &[
-                        Arg::Ptr(g.ptr(&lw.qkv)),
+                        Arg::Ptr(g.ptr(&lw.qkv.w)),
                         Arg::I32(h as i32),
                         Arg::Ptr(xn),
-                        Arg::Ptr(po(&lw.qkv_bias)),
+                        Arg::Ptr(po(&lw.qkv.b)),
                         Arg::Ptr(inp.pos),
                         Arg::I32(c.n_heads as i32),
                         Arg::I32(c.n_kv_heads as i32),
                         Arg::I32(hd as i32),
                         Arg::Ptr(po(&lw.inv_freq)),
                         Arg::I32(rope.map_or(0, |r| r.dims as i32)),
-                        Arg::I32(rope.is_some_and(|r| r.interleaved) as i32),
+                        Arg::I32(rope.is_some_and(|r| r.traditional) as i32),
                         Arg::F32(rope.map_or(1.0, |r| r.position_scale)),
-                        Arg::F32(rope.map_or(1.0, |r| r.input_scale)),
-                        Arg::F32(c.attn_scale),
+                        Arg::F32(rope.and_then(|r| r.input_scale).unwrap_or(1.0)),
+                        Arg::F32(attn.scale),
                         Arg::Ptr(p(&b.q)),
                         Arg::Ptr(kc),
                         Arg::Ptr(vc),
@@ -1138,63 +1410,104 @@ impl DenseModel {
                         na[1],
                         na[2],
                         na[3],
+                        Arg::Ptr(tabs.0),
+                        Arg::Ptr(tabs.1),
+                        Arg::I32(KV_BLOCK as i32),
                     ],
                 )?;
             } else {
-                self.qkv_rope(m, &inp, lw, spec, l, gemm_attn, qkv_norm)?;
+                let q_out = singles.is_some();
+                self.qkv_rope(
+                    m,
+                    &inp,
+                    lw,
+                    ops,
+                    (kc, vc),
+                    (gemm_attn, q_out),
+                    qkv_norm,
+                    tabs,
+                )?;
             }
-            if gemm_attn {
-                self.attention_gemm(m, &inp, spec, kc, vc)?;
-            } else {
-                let fused = inp.decode && inp.cluster;
+            if let Some((list, n)) = singles {
+                // Batches merge their splits in the combine kernel: as clusters (batch-1's
+                // merge) the attention took 1.93-1.96 ms a B = 32 step against 1.34 + 0.22 for
+                // the combine (H200, run 20).
+                let fused = inp.cluster;
                 g.launch_cluster(
                     &f.attn_partial,
                     (
                         c.n_kv_heads as u32,
-                        (m * group).div_ceil(ATT_ROWS) as u32,
+                        (n * group.div_ceil(ATT_ROWS)) as u32,
                         splits as u32,
                     ),
                     128,
                     fused.then_some((1, 1, splits as u32)),
-                    self.tuning.attn_pdl,
                     &[
                         Arg::Ptr(p(&b.q)),
                         Arg::Ptr(kc),
                         Arg::Ptr(vc),
                         Arg::Ptr(inp.pos),
-                        Arg::I32(m as i32),
+                        Arg::Ptr(list),
                         Arg::I32(c.n_heads as i32),
                         Arg::I32(c.n_kv_heads as i32),
-                        Arg::I32(spec.window.unwrap_or(0) as i32),
-                        Arg::F32(c.attn_softcap.unwrap_or(0.0)),
-                        Arg::I32(chunk as i32),
+                        Arg::I32(attn.window.unwrap_or(0) as i32),
+                        Arg::F32(attn.softcap.unwrap_or(0.0)),
                         Arg::I32(splits as i32),
                         Arg::Ptr(p(&b.part_acc)),
                         Arg::Ptr(p(&b.part_ml)),
                         Arg::Ptr(if fused { g.ptr(&b.attn) } else { 0 }),
+                        Arg::Ptr(tabs.0),
+                        Arg::Ptr(tabs.1),
+                        Arg::I32(KV_BLOCK as i32),
                     ],
                 )?;
                 if !fused {
                     g.launch(
                         &f.attn_combine,
-                        ((m * c.n_heads) as u32, 1, 1),
+                        ((n * c.n_heads) as u32, 1, 1),
                         hd.min(128).next_multiple_of(32) as u32,
                         &[
                             Arg::Ptr(p(&b.part_acc)),
                             Arg::Ptr(p(&b.part_ml)),
                             Arg::I32(splits as i32),
+                            Arg::Ptr(list),
+                            Arg::I32(c.n_heads as i32),
                             Arg::Ptr(g.ptr(&b.attn)),
                         ],
                     )?;
                 }
             }
+            for seg in &segs {
+                let (kg, vg) = if seg.table != 0 {
+                    // The sequence's keys and values, contiguous, for the GEMMs.
+                    g.launch(
+                        &f.kv_gather,
+                        ((seg.start + seg.len) as u32, 1, 1),
+                        128,
+                        &[
+                            Arg::Ptr(kc),
+                            Arg::Ptr(vc),
+                            Arg::Ptr(seg.table),
+                            Arg::I32(KV_BLOCK as i32),
+                            Arg::I32(c.kv_dim() as i32),
+                            Arg::Ptr(g.ptr(&b.k_gather)),
+                            Arg::Ptr(g.ptr(&b.v_gather)),
+                        ],
+                    )?;
+                    (g.ptr(&b.k_gather), g.ptr(&b.v_gather))
+                } else {
+                    (kc, vc)
+                };
+                self.attention_gemm(m, &inp, attn, kg, vg, *seg)?;
+            }
             let (pw, pb) = pn(&lw.post_attn_norm);
             let (nw, nbias) = pn(&lw.ffn_norm);
-            let o = (g.ptr(&b.attn), g.ptr(&lw.o), qd);
+            let o = (g.ptr(&b.attn), g.ptr(&lw.o.w), qd);
+            let rscale = ops.out.scale.unwrap_or(1.0);
             if epi {
                 pending_ss = self.gemv_res(o, rscale, nw, ss_slot(2 * l))?;
             } else {
-                self.proj_residual(m, o, po(&lw.o_bias), (pw, pb), rscale, (nw, nbias), 0)?;
+                self.proj_residual(m, o, po(&lw.o.b), (pw, pb), rscale, (nw, nbias))?;
             }
             let glu_norm = if epi {
                 (pending_ss, ss_slot(2 * l + 1))
@@ -1205,7 +1518,7 @@ impl DenseModel {
             let ff = c.intermediate;
             let act = g.ptr(&b.act);
             if m == 1 {
-                let (func, blocks, n) = if c.gated {
+                let (func, blocks, n) = if ops.glu.gated {
                     (&f.gemv_glu, ff, ff)
                 } else {
                     (&f.gemv_act, ff.div_ceil(2), ff)
@@ -1216,12 +1529,12 @@ impl DenseModel {
                     (blocks as u32, 1, 1),
                     128,
                     &[
-                        Arg::Ptr(g.ptr(&lw.gate_up)),
+                        Arg::Ptr(g.ptr(&lw.gate_up.w)),
                         Arg::I32(n as i32),
                         Arg::I32(h as i32),
                         Arg::Ptr(xn),
-                        Arg::Ptr(po(&lw.gate_up_bias)),
-                        Arg::I32(c.activation as i32),
+                        Arg::Ptr(po(&lw.gate_up.b)),
+                        Arg::I32(act_code(ops.glu.activation)),
                         Arg::Ptr(act),
                         na[0],
                         na[1],
@@ -1231,24 +1544,17 @@ impl DenseModel {
                 )?;
             } else {
                 let gu = p(&b.gu);
-                let bf = self.tuning.gu_bf16;
-                let out_t = if bf {
-                    bsys::cudaDataType::CUDA_R_16BF
-                } else {
-                    bsys::cudaDataType::CUDA_R_32F
-                };
-                gemm(g, m, c.gate_up_rows(), h, xn, g.ptr(&lw.gate_up), gu, out_t)?;
+                gemm_bf16_f32(g, m, c.gate_up_rows(), h, xn, g.ptr(&lw.gate_up.w), gu)?;
                 g.launch(
                     &f.act_rows,
                     (ff.div_ceil(4 * 256) as u32, m as u32, 1),
                     256,
                     &[
                         Arg::Ptr(gu),
-                        Arg::Ptr(po(&lw.gate_up_bias)),
+                        Arg::Ptr(po(&lw.gate_up.b)),
                         Arg::I32(ff as i32),
-                        Arg::I32(c.gated as i32),
-                        Arg::I32(c.activation as i32),
-                        Arg::I32(bf as i32),
+                        Arg::I32(ops.glu.gated as i32),
+                        Arg::I32(act_code(ops.glu.activation)),
                         Arg::Ptr(act),
                     ],
                 )?;
@@ -1258,19 +1564,57 @@ impl DenseModel {
                 Some(nl) => pn(&nl.attn_norm),
                 None => (g.ptr(&self.w.final_norm.w), po(&self.w.final_norm.b)),
             };
-            let down = (act, g.ptr(&lw.down), ff);
+            let down = (act, g.ptr(&lw.down.w), ff);
+            let rscale = ops.down.scale.unwrap_or(1.0);
             if epi {
                 pending_ss = self.gemv_res(down, rscale, next.0, ss_slot(2 * l + 1))?;
             } else {
-                self.proj_residual(m, down, po(&lw.down_bias), (pw, pb), rscale, next, 1)?;
+                self.proj_residual(m, down, po(&lw.down.b), (pw, pb), rscale, next)?;
             }
         }
 
-        // Logits of the last row.
         let head = self.w.lm_head.as_ref().unwrap_or(&self.w.embed);
-        let last = xn + 2 * ((m - 1) * h) as u64;
         let logits = p(&b.logits);
-        self.gemv(last, g.ptr(head), c.vocab, h, logits, (pending_ss, 0))?;
+        match pg {
+            // The wanted rows of a batch pass, gathered, through one GEMM.
+            Some(pp) if m > 1 => {
+                if pp.rows == 0 {
+                    return Ok(());
+                }
+                let sel = g.ptr(&b.sel);
+                g.launch(
+                    &f.gather_rows,
+                    (pp.rows as u32, 1, 1),
+                    256,
+                    &[
+                        Arg::Ptr(xn),
+                        Arg::Ptr(g.ptr(&b.rows)),
+                        Arg::I32(h as i32),
+                        Arg::Ptr(sel),
+                    ],
+                )?;
+                self.matmul(pp.rows, sel, g.ptr(head), c.vocab, h, logits)?;
+                // Soft-capping and the divisor, in place (the argmax is not used).
+                return g.launch(
+                    &f.argmax_partial,
+                    (ARGMAX_BLOCKS as u32, 1, 1),
+                    1024,
+                    &[
+                        Arg::Ptr(logits),
+                        Arg::I32((pp.rows * c.vocab) as i32),
+                        Arg::F32(self.plan.logits.softcap.unwrap_or(0.0)),
+                        Arg::F32(self.plan.logits.divisor.unwrap_or(0.0)),
+                        Arg::Ptr(g.ptr(&b.argmax)),
+                    ],
+                );
+            }
+            Some(pp) if pp.rows == 0 => return Ok(()),
+            // Logits of the last row.
+            _ => {
+                let last = xn + 2 * ((m - 1) * h) as u64;
+                self.gemv(last, g.ptr(head), c.vocab, h, logits, (pending_ss, 0))?;
+            }
+        }
         g.launch(
             &f.argmax_partial,
             (ARGMAX_BLOCKS as u32, 1, 1),
@@ -1278,8 +1622,8 @@ impl DenseModel {
             &[
                 Arg::Ptr(logits),
                 Arg::I32(c.vocab as i32),
-                Arg::F32(c.final_softcap.unwrap_or(0.0)),
-                Arg::F32(c.logits_divisor.unwrap_or(0.0)),
+                Arg::F32(self.plan.logits.softcap.unwrap_or(0.0)),
+                Arg::F32(self.plan.logits.divisor.unwrap_or(0.0)),
                 Arg::Ptr(g.ptr(&b.argmax)),
             ],
         )?;
@@ -1304,18 +1648,20 @@ impl DenseModel {
         Ok(())
     }
 
-    /// The qkv projection, q/k norms, RoPE and the cache write of `m` rows; q goes to the f32
-    /// buffer, or stacked as bf16 for the GEMM attention (`stacked`).
+    /// The qkv projection, q/k norms, RoPE and the cache write (`kv`, through the block tables
+    /// `tabs` if given) of `m` rows; q goes stacked as bf16 for the GEMM attention and/or to the
+    /// f32 buffer (`(stacked, f32)`).
     #[allow(clippy::too_many_arguments)]
     fn qkv_rope(
         &self,
         m: usize,
         inp: &Inputs,
-        lw: &DevLayer,
-        spec: &LayerSpec,
-        l: usize,
-        stacked: bool,
+        lw: &LayerBuffers,
+        ops: &LayerOps,
+        (kc, vc): (u64, u64),
+        (stacked, q_f32): (bool, bool),
         norm: (u64, u64),
+        tabs: (u64, u64),
     ) -> Result<()> {
         let (g, c, f, b) = (&*self.gpu, &self.cfg, &self.f, &self.b);
         let (h, hd) = (c.hidden, c.head_dim);
@@ -1325,11 +1671,12 @@ impl DenseModel {
         let po = |s: &Option<CudaSlice<f32>>| s.as_ref().map_or(0, |s| g.ptr(s));
         let qkv = g.ptr(&b.qkv);
         if m == 1 {
-            self.gemv(g.ptr(&b.xn), g.ptr(&lw.qkv), qkvd, h, qkv, norm)?;
+            self.gemv(g.ptr(&b.xn), g.ptr(&lw.qkv.w), qkvd, h, qkv, norm)?;
         } else {
-            self.matmul(m, g.ptr(&b.xn), g.ptr(&lw.qkv), qkvd, h, qkv)?;
+            self.matmul(m, g.ptr(&b.xn), g.ptr(&lw.qkv.w), qkvd, h, qkv)?;
         }
-        if c.qk_norm == QkNormKind::Whole {
+        let qk_norm = ops.qkv.qk_norm;
+        if qk_norm == QkNorm::Whole {
             for (off, len, w) in [(0, qd, &lw.q_norm), (qd, kvd, &lw.k_norm)] {
                 g.launch(
                     &f.norm,
@@ -1350,8 +1697,8 @@ impl DenseModel {
                 )?;
             }
         }
-        let per_head = c.qk_norm == QkNormKind::PerHead;
-        let rope = spec.rope.as_ref();
+        let per_head = qk_norm == QkNorm::PerHead;
+        let rope = ops.qkv.rope.as_ref();
         let heads = c.n_heads + c.n_kv_heads;
         g.launch(
             &f.rope,
@@ -1359,7 +1706,7 @@ impl DenseModel {
             256,
             &[
                 Arg::Ptr(qkv),
-                Arg::Ptr(po(&lw.qkv_bias)),
+                Arg::Ptr(po(&lw.qkv.b)),
                 Arg::Ptr(inp.pos),
                 Arg::I32(c.n_heads as i32),
                 Arg::I32(c.n_kv_heads as i32),
@@ -1369,14 +1716,17 @@ impl DenseModel {
                 Arg::F32(eps),
                 Arg::Ptr(po(&lw.inv_freq)),
                 Arg::I32(rope.map_or(0, |r| r.dims as i32)),
-                Arg::I32(rope.is_some_and(|r| r.interleaved) as i32),
+                Arg::I32(rope.is_some_and(|r| r.traditional) as i32),
                 Arg::F32(rope.map_or(1.0, |r| r.position_scale)),
-                Arg::F32(rope.map_or(1.0, |r| r.input_scale)),
-                Arg::F32(c.attn_scale),
-                Arg::Ptr(g.ptr(&b.q)),
-                Arg::Ptr(g.ptr(&b.k_cache[l])),
-                Arg::Ptr(g.ptr(&b.v_cache[l])),
+                Arg::F32(rope.and_then(|r| r.input_scale).unwrap_or(1.0)),
+                Arg::F32(ops.attn.scale),
+                Arg::Ptr(if q_f32 { g.ptr(&b.q) } else { 0 }),
+                Arg::Ptr(kc),
+                Arg::Ptr(vc),
                 Arg::Ptr(if stacked { g.ptr(&b.q_stacked) } else { 0 }),
+                Arg::Ptr(tabs.0),
+                Arg::Ptr(tabs.1),
+                Arg::I32(KV_BLOCK as i32),
             ],
         )
     }
@@ -1389,49 +1739,30 @@ impl DenseModel {
         &self,
         m: usize,
         inp: &Inputs,
-        spec: &LayerSpec,
+        attn: &AttentionOp,
         kc: u64,
         vc: u64,
+        seg: Seg,
     ) -> Result<()> {
         let (g, c, f, b) = (&*self.gpu, &self.cfg, &self.f, &self.b);
         let (hd, nkv) = (c.head_dim, c.n_kv_heads);
         let group = c.n_heads / nkv;
         let kvd = c.kv_dim();
-        let first = inp.kv_len - m;
+        let first = seg.start;
+        let pos = inp.pos + 4 * seg.off as u64;
         let (qs, os) = (g.ptr(&b.q_stacked), g.ptr(&b.o_stacked));
         let (sc, pr) = (g.ptr(&b.scores), g.ptr(&b.probs));
         let f32t = bsys::cudaDataType::CUDA_R_32F;
         let bf16t = bsys::cudaDataType::CUDA_R_16BF;
         let trans = bsys::cublasOperation_t::CUBLAS_OP_T;
         let none = bsys::cublasOperation_t::CUBLAS_OP_N;
-        let mut t0 = if self.flash_attention() {
-            g.launch(
-                &f.attn_flash,
-                ((m * group).div_ceil(FLASH_ROWS) as u32, nkv as u32, 1),
-                128,
-                &[
-                    Arg::Ptr(qs),
-                    Arg::Ptr(kc),
-                    Arg::Ptr(vc),
-                    Arg::Ptr(inp.pos),
-                    Arg::I32(m as i32),
-                    Arg::I32(group as i32),
-                    Arg::I32(nkv as i32),
-                    Arg::I32(spec.window.unwrap_or(0) as i32),
-                    Arg::F32(c.attn_softcap.unwrap_or(0.0)),
-                    Arg::Ptr(os),
-                ],
-            )?;
-            m
-        } else {
-            0
-        };
-        while t0 < m {
-            let tn = self.attn_rows.min(m - t0);
+        let mut t0 = 0;
+        while t0 < seg.len {
+            let tn = self.attn_rows.min(seg.len - t0);
             let n_keys = first + t0 + tn;
             let ld = n_keys.next_multiple_of(8);
             let rows = tn * group;
-            let q0 = qs + 2 * (t0 * group * hd) as u64;
+            let q0 = qs + 2 * ((seg.off + t0) * group * hd) as u64;
             // Column-major S^T (keys x rows) = K (keys x hd) . Q^T (hd x rows), per kv head.
             gemm_batched(
                 g,
@@ -1451,11 +1782,11 @@ impl DenseModel {
                     Arg::I32(ld as i32),
                     Arg::I32(n_keys as i32),
                     Arg::I32(rows as i32),
-                    Arg::Ptr(inp.pos),
+                    Arg::Ptr(pos),
                     Arg::I32(t0 as i32),
                     Arg::I32(group as i32),
-                    Arg::I32(spec.window.unwrap_or(0) as i32),
-                    Arg::F32(c.attn_softcap.unwrap_or(0.0)),
+                    Arg::I32(attn.window.unwrap_or(0) as i32),
+                    Arg::F32(attn.softcap.unwrap_or(0.0)),
                     Arg::Ptr(pr),
                 ],
             )?;
@@ -1466,29 +1797,33 @@ impl DenseModel {
                 (hd, rows, n_keys),
                 (vc, bf16t, kvd, hd),
                 (pr, bf16t, ld, rows * ld),
-                (os + 2 * (t0 * group * hd) as u64, bf16t, hd, m * group * hd),
+                (
+                    os + 2 * ((seg.off + t0) * group * hd) as u64,
+                    bf16t,
+                    hd,
+                    m * group * hd,
+                ),
                 nkv,
             )?;
             t0 += tn;
         }
         g.launch(
             &f.attn_unstack,
-            (m as u32, 1, 1),
+            (seg.len as u32, 1, 1),
             256,
             &[
                 Arg::Ptr(os),
                 Arg::I32(m as i32),
                 Arg::I32(nkv as i32),
                 Arg::I32(group as i32),
+                Arg::I32(seg.off as i32),
                 Arg::Ptr(g.ptr(&b.attn)),
             ],
         )
     }
 
     /// `y = inp . W^T` for the projection `(inp, W, k)`, then the residual step (see
-    /// [`residual`](Self::residual)). One token without bias or post-norm: one GEMV that adds
-    /// into x and norms in its last block (`counter` picks its last-block counter).
-    #[allow(clippy::too_many_arguments)]
+    /// [`residual`](Self::residual)).
     fn proj_residual(
         &self,
         m: usize,
@@ -1497,32 +1832,9 @@ impl DenseModel {
         post: (u64, u64),
         rscale: f32,
         next: (u64, u64),
-        counter: usize,
     ) -> Result<()> {
-        let (g, c) = (&*self.gpu, &self.cfg);
-        let h = c.hidden;
+        let (g, h) = (&*self.gpu, self.cfg.hidden);
         let y = g.ptr(&self.b.y);
-        if m == 1 && bias == 0 && post.0 == 0 && self.tuning.fuse_residual {
-            return g.launch(
-                &self.f.gemv_residual,
-                (h.div_ceil(2) as u32, 1, 1),
-                128,
-                &[
-                    Arg::Ptr(w),
-                    Arg::I32(h as i32),
-                    Arg::I32(k as i32),
-                    Arg::Ptr(inp),
-                    Arg::Ptr(g.ptr(&self.b.x)),
-                    Arg::F32(rscale),
-                    Arg::Ptr(next.0),
-                    Arg::Ptr(next.1),
-                    Arg::F32(c.norm_eps),
-                    Arg::I32((c.norm == NormKind::Layer) as i32),
-                    Arg::Ptr(g.ptr(&self.b.xn)),
-                    Arg::Ptr(g.ptr(&self.b.res_counters) + 4 * counter as u64),
-                ],
-            );
-        }
         self.matmul(m, inp, w, h, k, y)?;
         self.residual(m, y, bias, post, rscale, next)
     }
@@ -1558,20 +1870,6 @@ impl DenseModel {
         Ok(ss)
     }
 
-    /// Decode attention's split count when the splits share the actual context (see
-    /// `Tuning::decode_splits`); `None`: fixed-size splits over the whole cache.
-    fn decode_splits(&self) -> Option<usize> {
-        let c = &self.cfg;
-        let max = self.max_context.div_ceil(self.tuning.decode_chunk);
-        let tiles = c.n_kv_heads * (c.n_heads / c.n_kv_heads).div_ceil(ATT_ROWS);
-        let n = match self.tuning.decode_splits {
-            Some(0) => return None,
-            Some(n) => n,
-            None => (DECODE_BLOCKS / tiles).max(1),
-        };
-        Some(n.clamp(1, max))
-    }
-
     /// `x += rscale * post(y + bias)`, then `xn = next_norm(x)` (identity when absent), per row.
     fn residual(
         &self,
@@ -1599,11 +1897,24 @@ impl DenseModel {
                 Arg::Ptr(next.0),
                 Arg::Ptr(next.1),
                 Arg::F32(c.norm_eps),
-                Arg::I32((c.norm == NormKind::Layer) as i32),
+                Arg::I32((c.norm == Norm::Layer) as i32),
                 Arg::Ptr(g.ptr(&self.b.xn)),
             ],
         )
     }
+}
+
+/// Decode attention's split count for `tokens` tokens: the splits share the actual context,
+/// sized so that the grid holds about `DECODE_BLOCKS` blocks for one token (at most one tile a
+/// split at full context) and `BATCH_DECODE_BLOCKS` for a batch, fewer splits each token.
+fn decode_splits(c: &ModelConfig, max_context: usize, tokens: usize) -> usize {
+    let tiles = c.n_kv_heads * (c.n_heads / c.n_kv_heads).div_ceil(ATT_ROWS) * tokens.max(1);
+    let target = if tokens > 1 {
+        BATCH_DECODE_BLOCKS
+    } else {
+        DECODE_BLOCKS
+    };
+    (target / tiles).clamp(1, max_context.div_ceil(ATT_KEYS).max(1))
 }
 
 /// `y[m, n] (f32, row-major) = x[m, k] (bf16) . w[n, k]^T (bf16)`, f32 accumulation, cuBLAS.

@@ -19,7 +19,6 @@ pub mod nvrtc;
 
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -85,8 +84,6 @@ pub struct Gpu {
     pub name: String,
     pub sm_count: usize,
     modules: Mutex<HashMap<String, Arc<CudaModule>>>,
-    /// Launch with programmatic dependent launch (sm_90+; `TRELLM_CUDA_PDL=0` turns it off).
-    pdl: AtomicBool,
     /// Kernel names by function handle, for the profile.
     names: Mutex<HashMap<usize, String>>,
     /// While profiling: every launch and cuBLAS call since [`Gpu::start_profile`], between two
@@ -133,9 +130,6 @@ impl Gpu {
             arch,
             sm_count,
             modules: Mutex::new(HashMap::new()),
-            pdl: AtomicBool::new(
-                major >= 9 && std::env::var("TRELLM_CUDA_PDL").as_deref() != Ok("0"),
-            ),
             names: Mutex::new(HashMap::new()),
             profile: Mutex::new(None),
         })
@@ -173,6 +167,11 @@ impl Gpu {
             .unwrap()
             .insert(f.cu_function() as usize, name.to_string());
         Ok(f)
+    }
+
+    /// Whether launches are being timed ([`Gpu::start_profile`]).
+    pub fn profiling(&self) -> bool {
+        self.profile.lock().unwrap().is_some()
     }
 
     /// Starts recording the time of every launch and cuBLAS call (outside graph capture only).
@@ -231,18 +230,16 @@ impl Gpu {
         block: u32,
         args: &[Arg],
     ) -> Result<()> {
-        self.launch_cluster(f, grid, block, None, false, args)
+        self.launch_cluster(f, grid, block, None, args)
     }
 
-    /// Launches `f` with its blocks grouped in thread-block clusters of `cluster` (sm_90+), and
-    /// with programmatic dependent launch when `pdl` (sm_90+; also when [`Gpu::pdl`] is on).
+    /// Launches `f` with its blocks grouped in thread-block clusters of `cluster` (sm_90+).
     pub fn launch_cluster(
         &self,
         f: &CudaFunction,
         grid: (u32, u32, u32),
         block: u32,
         cluster: Option<(u32, u32, u32)>,
-        pdl: bool,
         args: &[Arg],
     ) -> Result<()> {
         if self.profile.lock().unwrap().is_some() {
@@ -253,10 +250,10 @@ impl Gpu {
                 .get(&(f.cu_function() as usize))
                 .cloned();
             return self.timed(name.as_deref().unwrap_or("?"), || {
-                self.launch_now(f, grid, block, cluster, pdl, args)
+                self.launch_now(f, grid, block, cluster, args)
             });
         }
-        self.launch_now(f, grid, block, cluster, pdl, args)
+        self.launch_now(f, grid, block, cluster, args)
     }
 
     fn launch_now(
@@ -265,7 +262,6 @@ impl Gpu {
         grid: (u32, u32, u32),
         block: u32,
         cluster: Option<(u32, u32, u32)>,
-        pdl: bool,
         args: &[Arg],
     ) -> Result<()> {
         let mut store: Vec<u64> = args
@@ -283,17 +279,6 @@ impl Gpu {
             .map(|v| v as *mut u64 as *mut c_void)
             .collect();
         let mut attrs = Vec::new();
-        if self.pdl() || (pdl && self.sm90_or_newer()) {
-            // SAFETY: an all-zero union is a valid value; the field is then set.
-            let mut value: dsys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
-            value.programmaticStreamSerializationAllowed = 1;
-            attrs.push(dsys::CUlaunchAttribute {
-                id:
-                    dsys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-                pad: [0; 4],
-                value,
-            });
-        }
         if let Some((x, y, z)) = cluster {
             // SAFETY: as above.
             let mut value: dsys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
@@ -344,18 +329,6 @@ impl Gpu {
             )
         }
         .context("kernel launch")
-    }
-
-    /// Whether launches use programmatic dependent launch.
-    pub fn pdl(&self) -> bool {
-        self.pdl.load(Ordering::Relaxed)
-    }
-
-    /// Turns programmatic dependent launch on or off (off below sm_90). Graphs captured before
-    /// keep what they were captured with.
-    pub fn set_pdl(&self, on: bool) {
-        self.pdl
-            .store(on && self.sm90_or_newer(), Ordering::Relaxed);
     }
 
     /// Whether the device has sm_90's launch features (thread-block clusters, programmatic

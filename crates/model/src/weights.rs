@@ -410,6 +410,26 @@ fn hf_name(cfg: &ModelConfig, role: Role, l: usize) -> String {
 }
 
 impl Matrix {
+    /// An f32 matrix held in memory (an anonymous map) rather than a file, e.g. weights rounded
+    /// for a comparison.
+    pub fn from_f32(rows: usize, cols: usize, values: &[f32]) -> Result<Matrix> {
+        if values.len() != rows * cols {
+            bail!("{} values for a {rows}x{cols} matrix", values.len());
+        }
+        let mut map = memmap2::MmapMut::map_anon((values.len() * 4).max(1))?;
+        for (b, v) in map.chunks_exact_mut(4).zip(values) {
+            b.copy_from_slice(&v.to_le_bytes());
+        }
+        Matrix::new(
+            "in-memory",
+            GgmlType::F32,
+            rows,
+            cols,
+            Arc::new(map.make_read_only()?),
+            0,
+        )
+    }
+
     /// Rows `start..start + n` as a matrix of their own (a view of the same bytes).
     pub fn rows_view(&self, start: usize, n: usize) -> Matrix {
         assert!(start + n <= self.rows);

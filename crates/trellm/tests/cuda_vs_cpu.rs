@@ -81,6 +81,165 @@ fn generate_runs_on_the_gpu_engine() {
     }
 }
 
+/// The same batch twice through the CUDA backend gives bit-identical logits at every step (the
+/// prefill's and 24 greedy decode steps'), on the tiny llama fixture.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --ignored on the GPU machine"]
+fn cuda_steps_are_bit_identical_run_to_run() {
+    use trellm::backend::SoloSequence;
+    use trellm_model::Want;
+    let m = trellm::model::load::load(&fixtures().join("llama")).unwrap();
+    let gpu_model = cuda::CudaModel::new(&m.model, 64).unwrap();
+    let vocab = m.model.cfg.vocab as u32;
+    let prompt: Vec<u32> = (0..11u32).map(|i| (i * 37 + 3) % vocab).collect();
+    let run = || {
+        let mut s = SoloSequence::new(&gpu_model, 64).unwrap();
+        let mut logits = s.forward(&prompt, Want::Last).unwrap();
+        let mut all = vec![logits.iter().map(|v| v.to_bits()).collect::<Vec<_>>()];
+        for _ in 0..24 {
+            let next = trellm::engine::sampler::argmax(&logits);
+            logits = s.forward(&[next], Want::Last).unwrap();
+            all.push(logits.iter().map(|v| v.to_bits()).collect());
+        }
+        all
+    };
+    let (a, b) = (run(), run());
+    for (step, (x, y)) in a.iter().zip(&b).enumerate() {
+        assert!(
+            x == y,
+            "step {step}: logits differ between two identical runs"
+        );
+    }
+}
+
+/// One step of `batch` on `model` (its blocks from each sequence's table).
+fn step_rows<M: trellm_model::ModelBackend>(
+    model: &M,
+    cache: &mut M::Cache,
+    batch: &trellm_model::Batch,
+) -> Vec<Vec<f32>> {
+    let vocab = model.config().vocab;
+    let out = model.step(batch, cache).unwrap();
+    assert_eq!(out.len(), batch.logit_rows() * vocab);
+    out.chunks(vocab).map(|r| r.to_vec()).collect()
+}
+
+fn top2_gap(x: &[f32]) -> f32 {
+    let mut v = x.to_vec();
+    v.sort_by(|a, b| b.total_cmp(a));
+    v[0] - v[1]
+}
+
+/// Ragged batches on the CUDA backend's paged cache against the CPU backend (weights rounded to
+/// bf16) and against each sequence alone on the GPU: five sequences of different prompt lengths
+/// prefilled in one step (one of a single token), then eight steps of one token each, every
+/// logit row within bf16 tolerance and greedy ids equal except at near-ties; on fixtures with
+/// GQA, sliding windows, q/k norms, biases and soft-capping.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --ignored on the GPU machine"]
+fn batched_steps_match_the_cpu_and_each_sequence_alone() {
+    use trellm::backend::cpu::CpuModel;
+    use trellm::backend::SoloSequence;
+    use trellm_model::{Batch, BlockPool, BlockTable, ModelBackend, Want};
+    const BS: usize = 16;
+    for name in ["llama", "qwen3", "gemma2", "gemma3", "phi3", "qwen2"] {
+        let m = trellm::model::load::load(&fixtures().join(name)).unwrap();
+        let cfg = m.model.cfg.clone();
+        let cpu = CpuModel::new(cfg.clone(), cuda::bf16_rounded(&m.model.weights).unwrap());
+        let gpu = cuda::CudaModel::new(&m.model, 96).unwrap();
+        let vocab = cfg.vocab as u32;
+        let lens = [7usize, 33, 1, 20, 12];
+        let blocks = lens.len() * 96usize.div_ceil(BS);
+        let mut pool = BlockPool::new(blocks, BS);
+        let (mut cc, mut gc) = (
+            cpu.new_cache(blocks, BS).unwrap(),
+            gpu.new_cache(blocks, BS).unwrap(),
+        );
+        let mut tables: Vec<BlockTable> = lens.iter().map(|_| BlockTable::default()).collect();
+        let prompts: Vec<Vec<u32>> = (lens.iter().enumerate())
+            .map(|(s, &n)| {
+                (0..n as u32)
+                    .map(|i| (i * 31 + 7 * s as u32 + 3) % vocab)
+                    .collect()
+            })
+            .collect();
+        let mut alone: Vec<_> = lens
+            .iter()
+            .map(|_| SoloSequence::new(&gpu, 96).unwrap())
+            .collect();
+        let mut next: Vec<Vec<u32>> = prompts.clone();
+        let mut lens_now = vec![0usize; lens.len()];
+        for step in 0..9 {
+            let mut batch = Batch::default();
+            for (s, t) in tables.iter_mut().enumerate() {
+                pool.grow(t, lens_now[s] + next[s].len()).unwrap();
+                batch.push(&next[s], lens_now[s], t.blocks().to_vec(), Want::Last);
+            }
+            let c = step_rows(&cpu, &mut cc, &batch);
+            let g = step_rows(&gpu, &mut gc, &batch);
+            for s in 0..lens.len() {
+                let a = alone[s].forward(&next[s], Want::Last).unwrap();
+                let (rel, _) = cuda::errors(&g[s], &c[s]);
+                assert!(rel < REL_TOL, "{name} step {step} seq {s}: vs CPU {rel}");
+                let (rel_alone, _) = cuda::errors(&g[s], &a);
+                assert!(
+                    rel_alone < REL_TOL,
+                    "{name} step {step} seq {s}: vs alone {rel_alone}"
+                );
+                let want = trellm::engine::sampler::argmax(&c[s]);
+                for (what, row) in [("batched", &g[s]), ("alone", &a)] {
+                    let got = trellm::engine::sampler::argmax(row);
+                    assert!(
+                        got == want || top2_gap(&c[s]) < TIE_GAP,
+                        "{name} step {step} seq {s}: {what} GPU id {got}, CPU {want}"
+                    );
+                }
+                lens_now[s] += next[s].len();
+                // Every backend continues from the CPU's token.
+                next[s] = vec![want];
+            }
+        }
+    }
+}
+
+/// Copy-on-write of a shared block on the GPU: a sequence forked from a 20-token prompt (its
+/// second block shared and partial) and extended with its own token gives the logits of that
+/// prompt and token run alone, and the original's next step is unchanged.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --ignored on the GPU machine"]
+fn forked_sequences_copy_their_shared_block() {
+    use trellm::backend::SoloSequence;
+    use trellm_model::{Batch, BlockPool, BlockTable, ModelBackend, Want};
+    let m = trellm::model::load::load(&fixtures().join("llama")).unwrap();
+    let gpu = cuda::CudaModel::new(&m.model, 64).unwrap();
+    let vocab = m.model.cfg.vocab as u32;
+    let prompt: Vec<u32> = (0..20u32).map(|i| (i * 13 + 5) % vocab).collect();
+    let mut pool = BlockPool::new(8, 16);
+    let mut cache = gpu.new_cache(8, 16).unwrap();
+    let mut a = BlockTable::default();
+    pool.grow(&mut a, 20).unwrap();
+    let mut batch = Batch::default();
+    batch.push(&prompt, 0, a.blocks().to_vec(), Want::Last);
+    gpu.step(&batch, &mut cache).unwrap();
+    let mut b = pool.fork(&a);
+    let mut copies = pool.grow(&mut a, 21).unwrap();
+    copies.extend(pool.grow(&mut b, 21).unwrap());
+    assert_eq!(copies.len(), 1, "one shared partial block to copy");
+    gpu.copy_blocks(&mut cache, &copies).unwrap();
+    let (ta, tb) = (1u32, 2u32);
+    let mut batch = Batch::default();
+    batch.push(&[ta], 20, a.blocks().to_vec(), Want::Last);
+    batch.push(&[tb], 20, b.blocks().to_vec(), Want::Last);
+    let rows = step_rows(&gpu, &mut cache, &batch);
+    for (tok, row) in [(ta, &rows[0]), (tb, &rows[1])] {
+        let mut s = SoloSequence::new(&gpu, 64).unwrap();
+        s.forward(&prompt, Want::Last).unwrap();
+        let alone = s.forward(&[tok], Want::Last).unwrap();
+        let (rel, _) = cuda::errors(row, &alone);
+        assert!(rel < 2e-2, "token {tok}: {rel}");
+    }
+}
+
 /// Without a usable GPU, `--device cuda` is a one-line error and a non-zero exit.
 #[test]
 fn device_cuda_without_a_gpu_is_a_clean_error() {

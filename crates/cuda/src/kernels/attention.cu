@@ -2,8 +2,8 @@
 // query rows (token x head of that kv head's group, so K/V tiles are shared by the whole GQA
 // group) and one split of the key range; it writes unnormalized partial results (acc, max, sum)
 // that attn_combine merges, or, in decode with the splits launched as one cluster, merges them
-// through distributed shared memory itself (cluster_merge). Used for decode (one token, many
-// splits) and prefill (many tokens).
+// through distributed shared memory itself (cluster_merge). Used for one token (decode, and a
+// one-token prefill); longer prefills run as GEMMs (attn_softmax below).
 // Rows attend to keys [lo, pos] with lo = pos + 1 - window (sliding windows) or 0.
 // HEAD_DIM is fixed per model at compile time (-DHEAD_DIM=...).
 
@@ -91,51 +91,32 @@ __device__ __forceinline__ void cluster_merge(const float (&mx)[RPW], const floa
 
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 1)
 attn_partial(const float* __restrict__ q, const bf16* __restrict__ kc, const bf16* __restrict__ vc,
-             const int* __restrict__ pos, int m, int n_heads, int n_kv, int window, float softcap,
-             int chunk, int n_splits, float* __restrict__ part_acc, float* __restrict__ part_ml,
-             bf16* __restrict__ out) {
-    // Launched early (PDL) behind the qkv projection, everything up to the first tile's loads
-    // reads only what earlier steps wrote (positions, older keys); GRID_WAIT then waits for the
-    // projection (queries and the newest keys).
-    GRID_LAUNCH_DEPENDENTS();
+             const int* __restrict__ pos, const int* __restrict__ tok_idx, int n_heads, int n_kv,
+             int window, float softcap, int n_splits, float* __restrict__ part_acc,
+             float* __restrict__ part_ml, bf16* __restrict__ out, const int* __restrict__ tables,
+             const int* __restrict__ table_off, int bs) {
     __shared__ float qs[ATT_ROWS][HD];
     __shared__ u32 ks[KT * KW];
     __shared__ __align__(16) u32 vs[KT * VW];
 
+    // A block: one token (the tok_idx[i]-th of the batch, or the i-th without a list), a tile of
+    // ATT_ROWS heads of one kv head's group, one split of the keys that token sees. Tokens of a
+    // batch belong to different sequences (their own positions and block tables).
     const int kvh = blockIdx.x, split = blockIdx.z;
     const int group = n_heads / n_kv;
-    const int n_rows = m * group;
-    const int r0 = blockIdx.y * ATT_ROWS;
+    const int tiles = (group + ATT_ROWS - 1) / ATT_ROWS;
+    const int ti = blockIdx.y / tiles, tile = blockIdx.y % tiles;
+    const int tok = tok_idx ? tok_idx[ti] : ti;
+    const int r0 = tok * group + tile * ATT_ROWS;
+    const int n_rows = min(r0 + ATT_ROWS, (tok + 1) * group);  // rows r0 .. n_rows - 1
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    // chunk > 0: split s takes keys [s * chunk, (s + 1) * chunk). chunk == 0 (decode, one token):
-    // the splits share the keys this token sees, in whole tiles, so the grid stays sized to the
+    // The splits share the keys the token sees, in whole tiles, so the grid stays sized to the
     // chip while each block's work follows the actual context.
-    int s_lo;
-    if (chunk > 0) {
-        s_lo = split * chunk;
-    } else {
-        const int p = pos[m - 1];
-        const int base = window > 0 ? max(p + 1 - window, 0) : 0;
-        chunk = ((p + 1 - base + n_splits - 1) / n_splits + KT - 1) / KT * KT;
-        s_lo = base + split * chunk;
-    }
-    const int s_hi = s_lo + chunk - 1;
-
-    // The block's key range (the union over its tokens) first, so that the first tile's loads
-    // are in flight while the rows' ranges and queries are set up.
-    int k_begin = 0x7fffffff, k_end = -1;
-    {
-        const int t_first = r0 / group, t_last = (min(r0 + ATT_ROWS, n_rows) - 1) / group;
-        for (int t = t_first; t <= t_last; t++) {
-            const int p = pos[t];
-            const int lo = max(window > 0 ? max(p + 1 - window, 0) : 0, s_lo);
-            const int hi = min(p, s_hi);
-            if (lo <= hi) {
-                k_begin = min(k_begin, lo);
-                k_end = max(k_end, hi);
-            }
-        }
-    }
+    const int p = pos[tok];
+    const int base = window > 0 ? max(p + 1 - window, 0) : 0;
+    const int chunk = ((p + 1 - base + n_splits - 1) / n_splits + KT - 1) / KT * KT;
+    const int s_lo = base + split * chunk;
+    const int k_begin = s_lo, k_end = min(p, s_lo + chunk - 1);
     // A tile's K/V loads go to registers one tile ahead: tile t+1 is in flight while t is
     // multiplied (all of a thread's loads are issued before any is used).
     uint4 kv[TILE_VECS], vv[TILE_VECS];
@@ -146,17 +127,13 @@ attn_partial(const float* __restrict__ q, const bf16* __restrict__ kc, const bf1
             const int kk = i / (HD / 8), c = i % (HD / 8), key = k0 + kk;
             kv[u] = vv[u] = make_uint4(0, 0, 0, 0);
             if (i < KT * (HD / 8) && key <= k_end) {
-                const long long g = ((long long)key * n_kv + kvh) * HD + c * 8;
+                const long long g = (kv_slot(tables, table_off, tok, key, bs) * n_kv + kvh) * HD + c * 8;
                 kv[u] = *(const uint4*)(kc + g);
                 vv[u] = *(const uint4*)(vc + g);
             }
         }
     };
-    // Tiles wholly before this pass's first position hold only older keys.
-    const bool early = k_begin <= k_end && k_end < pos[0];
-    if (early) load_tile(k_begin);
-    GRID_WAIT();
-    if (!early && k_begin <= k_end) load_tile(k_begin);
+    if (k_begin <= k_end) load_tile(k_begin);
 
     // Each warp's rows: key range clipped to this split, and the query in shared memory.
     int row_lo[RPW], row_hi[RPW];
@@ -166,11 +143,10 @@ attn_partial(const float* __restrict__ q, const bf16* __restrict__ kc, const bf1
         row_lo[j] = 1;  // empty
         row_hi[j] = 0;
         if (r < n_rows) {
-            const int t = r / group, h = kvh * group + r % group;
-            const int p = pos[t];
-            row_lo[j] = max(window > 0 ? max(p + 1 - window, 0) : 0, s_lo);
-            row_hi[j] = min(p, s_hi);
-            const float* qr = q + ((long long)t * n_heads + h) * HD;
+            const int h = kvh * group + r % group;
+            row_lo[j] = k_begin;
+            row_hi[j] = k_end;
+            const float* qr = q + ((long long)tok * n_heads + h) * HD;
 #pragma unroll
             for (int d = lane; d < HD; d += 32) qs[rr][d] = qr[d];
         }
@@ -254,8 +230,8 @@ attn_partial(const float* __restrict__ q, const bf16* __restrict__ kc, const bf1
     for (int j = 0; j < RPW; j++) {
         const int r = r0 + warp * RPW + j;
         if (r >= n_rows) continue;
-        const int t = r / group, h = kvh * group + r % group;
-        const long long slot = ((long long)t * n_heads + h) * n_splits + split;
+        const int h = kvh * group + r % group;
+        const long long slot = ((long long)ti * n_heads + h) * n_splits + split;
         if (lane == 0) {
             part_ml[slot * 2] = mx[j];
             part_ml[slot * 2 + 1] = l[j];
@@ -272,15 +248,16 @@ attn_partial(const float* __restrict__ q, const bf16* __restrict__ kc, const bf1
     }
 }
 
-// One block per (token, head), a multiple of 32 threads: merges the splits and writes the bf16
-// output row. Every warp
-// weighs 32 splits at a time (a lane per split); every thread then sums its dimensions over
+// One block per (listed token, head), a multiple of 32 threads: merges the splits and writes the
+// bf16 output row (of token tok_idx[i], or i without a list). Every warp weighs 32 splits at a time (a lane per split); every thread then sums its dimensions over
 // those splits with all loads in flight at once (the merge is latency-bound, not byte-bound).
 extern "C" __global__ void attn_combine(const float* __restrict__ part_acc,
                                         const float* __restrict__ part_ml, int n_splits,
+                                        const int* __restrict__ tok_idx, int n_heads,
                                         bf16* __restrict__ out) {
-    GRID_SYNC();
     const long long row = blockIdx.x;
+    const int ti = (int)(row / n_heads), h = (int)(row % n_heads);
+    const long long out_row = (long long)(tok_idx ? tok_idx[ti] : ti) * n_heads + h;
     const int lane = threadIdx.x & 31;
     const float2* ml = (const float2*)(part_ml + row * n_splits * 2);
     float gm = NEG_INF;
@@ -320,7 +297,7 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part_acc,
 #pragma unroll
     for (int i = 0; i < DPT; i++) {
         const int d = threadIdx.x + i * blockDim.x;
-        if (d < HD) out[row * HD + d] = f2bf(a[i] * inv);
+        if (d < HD) out[out_row * HD + d] = f2bf(a[i] * inv);
     }
 }
 
@@ -342,7 +319,6 @@ __device__ __forceinline__ float score(float v, float softcap) {
 extern "C" __global__ void __launch_bounds__(SM_WARPS * 32)
 attn_softmax(const float* __restrict__ s, int ld, int n_keys, int rows, const int* __restrict__ pos,
              int t0, int group, int window, float softcap, bf16* __restrict__ p) {
-    GRID_SYNC();
     const int lane = threadIdx.x & 31;
     const int r = blockIdx.x * SM_WARPS + (threadIdx.x >> 5);
     if (r >= rows) return;  // whole warps
@@ -402,11 +378,11 @@ attn_softmax(const float* __restrict__ s, int ld, int n_keys, int rows, const in
         pr[k] = f2bf(k >= lo && k <= hi ? expf(score(sr[k], softcap) - mx) * inv : 0.0f);
 }
 
-// Stacked attention output [kv head][t * group + j][HD] -> [t][kv head * group + j][HD] (bf16).
+// Stacked attention output [kv head][t * group + j][HD] -> [t][kv head * group + j][HD] (bf16),
+// for tokens t0 .. t0 + gridDim.x of the m stacked ones.
 extern "C" __global__ void attn_unstack(const bf16* __restrict__ o, int m, int n_kv, int group,
-                                        bf16* __restrict__ out) {
-    GRID_SYNC();
-    const int t = blockIdx.x;
+                                        int t0, bf16* __restrict__ out) {
+    const int t = t0 + blockIdx.x;
     const int n_heads = n_kv * group;
     for (int i = threadIdx.x; i < n_heads * (HD / 8); i += blockDim.x) {
         const int h = i / (HD / 8), c = i % (HD / 8);
@@ -416,180 +392,16 @@ extern "C" __global__ void attn_unstack(const bf16* __restrict__ o, int m, int n
     }
 }
 
-// Prefill attention in one pass on tensor cores (flash-attention style, `mma.sync` bf16 with f32
-// accumulation), without the score and probability matrices of the GEMM path: one block per 64
-// stacked query rows of one kv head (row r = t * group + j, as the GEMM path stacks them), 16
-// rows a warp; for each tile of 64 keys S = Q K^T, masking (causal, window) and soft-capping,
-// an online softmax in registers, and O += P V with P reused from S's accumulators. Head dims
-// that are multiples of 16 up to 128 (the O accumulators and Q fragments stay in registers).
-#define FA_WARPS 4
-#define FA_ROWS (FA_WARPS * 16)
-#define FA_KEYS 64
-#define FA_LD (HD + 8)  // shared row stride (bf16): conflict-free fragment reads
-#define FA_OK (HD % 16 == 0 && HD <= 128)
-
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Two floats as a bf16 pair (round to nearest even), `lo` in the low half.
-__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
-extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)
-attn_flash(const bf16* __restrict__ qs, const bf16* __restrict__ kc, const bf16* __restrict__ vc,
-           const int* __restrict__ pos, int m, int group, int n_kv, int window, float softcap,
-           bf16* __restrict__ os) {
-    GRID_SYNC();
-#if FA_OK
-    __shared__ __align__(16) bf16 kt[FA_KEYS * FA_LD];
-    __shared__ __align__(16) bf16 vt[FA_KEYS * FA_LD];
-    const int kvh = blockIdx.y, rows = m * group;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int g = lane >> 2, c = lane & 3;
-    const int r0 = blockIdx.x * FA_ROWS, wr = r0 + warp * 16;
-
-    // The two rows whose accumulators this thread holds (g and g + 8 of the warp's 16).
-    int p_row[2], lo_row[2];
-#pragma unroll
-    for (int i = 0; i < 2; i++) {
-        const int r = wr + g + 8 * i;
-        p_row[i] = -1;
-        lo_row[i] = 0;
-        if (r < rows) {
-            const int p = pos[r / group];
-            p_row[i] = p;
-            lo_row[i] = window > 0 ? max(p + 1 - window, 0) : 0;
-        }
+// A sequence's keys and values 0 .. n_keys - 1 from the paged cache into contiguous rows of
+// kv_dim (the prefill GEMMs' operands): one block per position, 16-byte copies.
+extern "C" __global__ void kv_gather(const bf16* __restrict__ kc, const bf16* __restrict__ vc,
+                                     const int* __restrict__ table, int bs, int kv_dim,
+                                     bf16* __restrict__ k_out, bf16* __restrict__ v_out) {
+    const int p = blockIdx.x;
+    const long long src = ((long long)table[p / bs] * bs + p % bs) * kv_dim;
+    const long long dst = (long long)p * kv_dim;
+    for (int c = threadIdx.x; c < kv_dim / 8; c += blockDim.x) {
+        *(uint4*)(k_out + dst + c * 8) = *(const uint4*)(kc + src + c * 8);
+        *(uint4*)(v_out + dst + c * 8) = *(const uint4*)(vc + src + c * 8);
     }
-    // The block's key range: the union over its tokens.
-    int kmin = 0x7fffffff, kmax = -1;
-    for (int t = r0 / group; t <= (min(r0 + FA_ROWS, rows) - 1) / group; t++) {
-        const int p = pos[t];
-        kmin = min(kmin, window > 0 ? max(p + 1 - window, 0) : 0);
-        kmax = max(kmax, p);
-    }
-    const int wp_max = max(__reduce_max_sync(FULL_MASK, max(p_row[0], p_row[1])), -1);
-    const int wlo_min = __reduce_min_sync(FULL_MASK, min(lo_row[0], lo_row[1]));
-
-    // Q as mma A fragments, one set per 16 dims.
-    u32 qa[HD / 16][4];
-    const bf16* qb = qs + (long long)kvh * rows * HD;
-#pragma unroll
-    for (int s = 0; s < HD / 16; s++) {
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const int r = wr + g + 8 * (i & 1), col = s * 16 + 2 * c + 8 * (i >> 1);
-            qa[s][i] = r < rows ? *(const u32*)(qb + (long long)r * HD + col) : 0u;
-        }
-    }
-    float o[HD / 8][4];
-#pragma unroll
-    for (int j = 0; j < HD / 8; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
-    float mrow[2] = {NEG_INF, NEG_INF}, lrow[2] = {0.0f, 0.0f};
-
-    for (int k0 = kmin; k0 <= kmax; k0 += FA_KEYS) {
-        __syncthreads();
-        for (int i = threadIdx.x; i < FA_KEYS * (HD / 8); i += FA_WARPS * 32) {
-            const int kk = i / (HD / 8), cc = i % (HD / 8), key = k0 + kk;
-            uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
-            if (key <= kmax) {
-                const long long gi = ((long long)key * n_kv + kvh) * HD + cc * 8;
-                kv = *(const uint4*)(kc + gi);
-                vv = *(const uint4*)(vc + gi);
-            }
-            *(uint4*)(kt + kk * FA_LD + cc * 8) = kv;
-            *(uint4*)(vt + kk * FA_LD + cc * 8) = vv;
-        }
-        __syncthreads();
-        // Warps whose rows see none of this tile skip it (warp-uniform).
-        if (k0 > wp_max || k0 + FA_KEYS - 1 < wlo_min) continue;
-
-        float s[FA_KEYS / 8][4];
-#pragma unroll
-        for (int n = 0; n < FA_KEYS / 8; n++) {
-            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-            const bf16* kr = kt + (n * 8 + g) * FA_LD + 2 * c;
-#pragma unroll
-            for (int d = 0; d < HD / 16; d++)
-                mma_bf16(s[n], qa[d], *(const u32*)(kr + d * 16), *(const u32*)(kr + d * 16 + 8));
-        }
-#pragma unroll
-        for (int i = 0; i < 2; i++) {
-            float mx = NEG_INF;
-#pragma unroll
-            for (int n = 0; n < FA_KEYS / 8; n++)
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const int key = k0 + n * 8 + 2 * c + e;
-                    float v = s[n][2 * i + e];
-                    if (softcap > 0.0f) v = tanhf(v / softcap) * softcap;
-                    v = key >= lo_row[i] && key <= p_row[i] ? v : NEG_INF;
-                    s[n][2 * i + e] = v;
-                    mx = fmaxf(mx, v);
-                }
-            mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 2));
-            const float m_new = fmaxf(mrow[i], mx);
-            const float alpha = mrow[i] == NEG_INF ? 0.0f : expf(mrow[i] - m_new);
-            float sum = 0.0f;
-#pragma unroll
-            for (int n = 0; n < FA_KEYS / 8; n++)
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const float v = s[n][2 * i + e];
-                    const float p = v == NEG_INF ? 0.0f : expf(v - m_new);
-                    s[n][2 * i + e] = p;
-                    sum += p;
-                }
-            lrow[i] = lrow[i] * alpha + sum;
-            mrow[i] = m_new;
-#pragma unroll
-            for (int j = 0; j < HD / 8; j++) {
-                o[j][2 * i] *= alpha;
-                o[j][2 * i + 1] *= alpha;
-            }
-        }
-#pragma unroll
-        for (int kk = 0; kk < FA_KEYS / 16; kk++) {
-            const u32 pa[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]),
-                               pack_bf16(s[2 * kk][2], s[2 * kk][3]),
-                               pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                               pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-            const bf16* vr = vt + (kk * 16 + (lane & 15)) * FA_LD;
-#pragma unroll
-            for (int j = 0; j < HD / 8; j++) {
-                u64 sa;
-                asm("cvta.to.shared.u64 %0, %1;" : "=l"(sa) : "l"((u64)(vr + j * 8)));
-                u32 b0, b1;
-                asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];"
-                             : "=r"(b0), "=r"(b1)
-                             : "r"((u32)sa));
-                mma_bf16(o[j], pa, b0, b1);
-            }
-        }
-    }
-#pragma unroll
-    for (int i = 0; i < 2; i++) {
-        float l = lrow[i];
-        l += __shfl_xor_sync(FULL_MASK, l, 1);
-        l += __shfl_xor_sync(FULL_MASK, l, 2);
-        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-        const int r = wr + g + 8 * i;
-        if (r >= rows) continue;
-        bf16* out = os + ((long long)kvh * rows + r) * HD + 2 * c;
-#pragma unroll
-        for (int j = 0; j < HD / 8; j++)
-            *(u32*)(out + j * 8) = pack_bf16(o[j][2 * i] * inv, o[j][2 * i + 1] * inv);
-    }
-#else
-    __trap();
-#endif
 }

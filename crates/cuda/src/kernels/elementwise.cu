@@ -4,7 +4,6 @@
 // x[t] = table[tokens[t]] * scale, one block per token.
 extern "C" __global__ void embed_rows(const int* __restrict__ tokens, const bf16* __restrict__ table,
                                       int h, float scale, float* __restrict__ x) {
-    GRID_SYNC();
     const long long t = blockIdx.x;
     const bf16* row = table + (long long)tokens[t] * h;
     for (int i = threadIdx.x; i < h; i += blockDim.x) x[t * h + i] = bf2f(row[i]) * scale;
@@ -45,7 +44,6 @@ __device__ __forceinline__ void norm_one(const float* v, int n, const float* w, 
 extern "C" __global__ void norm_rows(float* x, int x_stride, int n, const float* __restrict__ w,
                                      const float* __restrict__ b, float eps, int layer,
                                      float* out_f32, bf16* out_bf16, int out_stride) {
-    GRID_SYNC();
     __shared__ float scratch[33];
     const long long r = blockIdx.x;
     norm_one(x + r * x_stride, n, w, b, eps, layer, out_f32 ? out_f32 + r * x_stride : 0,
@@ -63,7 +61,6 @@ extern "C" __global__ void residual_norm(float* __restrict__ x, float* __restric
                                          float rscale, const float* __restrict__ nw,
                                          const float* __restrict__ nb, float eps, int layer,
                                          bf16* __restrict__ xn) {
-    GRID_SYNC();
     __shared__ float scratch[33];
     const long long r = blockIdx.x;
     float* xr = x + r * h;
@@ -131,18 +128,14 @@ extern "C" __global__ void residual_norm(float* __restrict__ x, float* __restric
 // not gated, gu [rows, ff] -> act(u). Biases (over gu's columns) are added first. gu is f32, or
 // bf16 when `gu_bf16` is set. Each thread takes 4 consecutive outputs (16-byte loads where ff
 // is a multiple of 4 and gu is f32).
-extern "C" __global__ void act_rows(const void* __restrict__ gu_, const float* __restrict__ bias,
-                                    int ff, int gated, int act, int gu_bf16,
-                                    bf16* __restrict__ out) {
-    GRID_SYNC();
+extern "C" __global__ void act_rows(const float* __restrict__ gf, const float* __restrict__ bias,
+                                    int ff, int gated, int act, bf16* __restrict__ out) {
     const long long r = blockIdx.y;
     const int i0 = (blockIdx.x * blockDim.x + threadIdx.x) * 4;
     if (i0 >= ff) return;
-    const float* gf = (const float*)gu_;
-    const bf16* gb = (const bf16*)gu_;
     const long long gate0 = gated ? r * 2 * ff : r * ff, up0 = gated ? gate0 + ff : gate0;
     float g[4], u[4];
-    if (!gu_bf16 && (ff & 3) == 0) {
+    if ((ff & 3) == 0) {
         const float4 gv = *(const float4*)(gf + gate0 + i0);
         const float4 uv = *(const float4*)(gf + up0 + i0);
         g[0] = gv.x; g[1] = gv.y; g[2] = gv.z; g[3] = gv.w;
@@ -151,8 +144,8 @@ extern "C" __global__ void act_rows(const void* __restrict__ gu_, const float* _
 #pragma unroll
         for (int j = 0; j < 4; j++) {
             const int i = min(i0 + j, ff - 1);
-            g[j] = gu_bf16 ? bf2f(gb[gate0 + i]) : gf[gate0 + i];
-            u[j] = gu_bf16 ? bf2f(gb[up0 + i]) : gf[up0 + i];
+            g[j] = gf[gate0 + i];
+            u[j] = gf[up0 + i];
         }
     }
     bf16 y[4];
@@ -185,7 +178,6 @@ __device__ __forceinline__ u32 float_key(float f) {
 // (value key, lowest index) packed in a u64 for the final pass.
 extern "C" __global__ void logits_argmax_partial(float* __restrict__ logits, int n, float softcap,
                                                  float divisor, u64* __restrict__ partial) {
-    GRID_SYNC();
     __shared__ u64 best_w[32];
     u64 best = 0;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
@@ -214,7 +206,6 @@ extern "C" __global__ void logits_argmax_partial(float* __restrict__ logits, int
 extern "C" __global__ void argmax_final(const u64* __restrict__ partial, int n_partial,
                                         int* __restrict__ token, int* pos, int* history,
                                         int* count) {
-    GRID_SYNC();
     u64 best = 0;
     for (int i = threadIdx.x; i < n_partial; i += 32) best = partial[i] > best ? partial[i] : best;
 #pragma unroll
@@ -235,7 +226,6 @@ extern "C" __global__ void argmax_final(const u64* __restrict__ partial, int n_p
 
 // Seeded uniform values in [-scale, scale) as bf16 (splitmix64 of the index).
 extern "C" __global__ void fill_uniform_bf16(bf16* __restrict__ p, u64 n, u64 seed, float scale) {
-    GRID_SYNC();
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
         u64 z = seed + (i + 1) * 0x9e3779b97f4a7c15ull;
         z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
@@ -247,7 +237,6 @@ extern "C" __global__ void fill_uniform_bf16(bf16* __restrict__ p, u64 n, u64 se
 }
 
 extern "C" __global__ void fill_f32(float* __restrict__ p, u64 n, float v) {
-    GRID_SYNC();
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
         p[i] = v;
 }
@@ -260,4 +249,11 @@ extern "C" __global__ void spin_ns(u64 ns) {
         __nanosleep(1000);
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     } while (t - t0 < ns);
+}
+
+// out[r] = x[rows[r]] for rows of n bf16 values (the rows whose logits a batch wants).
+extern "C" __global__ void gather_rows(const bf16* __restrict__ x, const int* __restrict__ rows,
+                                       int n, bf16* __restrict__ out) {
+    const long long src = (long long)rows[blockIdx.x] * n, dst = (long long)blockIdx.x * n;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) out[dst + i] = x[src + i];
 }

@@ -34,8 +34,8 @@ __device__ __forceinline__ void block_dot(const bf16* __restrict__ W, const long
     const int tid = threadIdx.x;
 #pragma unroll
     for (int r = 0; r < R; r++) acc[r] = 0.0f;
-    // Weights are never written by earlier kernels: start pulling the first vectors into L2
-    // while the previous kernel finishes, then wait for it (programmatic dependent launch).
+    // The first vectors into L2 ahead of the loads (part of the configuration measured at 87% of
+    // copy, H200 run 12).
     if ((k & 7) == 0) {
 #pragma unroll
         for (int u = 0; u < U; u++) {
@@ -46,7 +46,6 @@ __device__ __forceinline__ void block_dot(const bf16* __restrict__ W, const long
                     asm volatile("prefetch.global.L2 [%0];" ::"l"(W + off[r] + (long long)v * 8));
         }
     }
-    GRID_SYNC();
     if ((k & 7) == 0) {
         const int nvec = k >> 3;
         for (int v0 = tid; v0 < nvec; v0 += GEMV_THREADS * U) {
@@ -94,25 +93,56 @@ __device__ __forceinline__ void block_dot(const bf16* __restrict__ W, const long
 }
 
 // Deferred RMSNorm (decode): the input x holds bf16(w * v) of the residual stream v, and `ss` the
-// sum of squares of v (accumulated by the producing gemv_res); the dot product times
-// 1/sqrt(ss/n + eps) is the dot with the normalized input. Null `ss`: no scale. Block 0 also
-// zeroes `zero`, the sum the next gemv_res accumulates (that kernel starts after this one ends).
-__device__ __forceinline__ float norm_scale(const float* ss, float inv_n, float eps, float* zero) {
-    if (zero && blockIdx.x == 0) *zero = 0.0f;
-    return ss ? 1.0f / sqrtf(*ss * inv_n + eps) : 1.0f;
+// sum of squares of v (accumulated by the producing gemv_res as an exact integer sum, see ss_add);
+// the dot product times 1/sqrt(ss/n + eps) is the dot with the normalized input. Null `ss`: no
+// scale. Block 0 also zeroes `zero`, the sum the next gemv_res accumulates (that kernel starts
+// after this one ends).
+//
+// A float atomicAdd of the blocks' partial sums rounds in whatever order the blocks finish, so
+// the same request gave different logits run to run. Instead each partial (>= 0) goes into
+// SS_BUCKETS integer buckets by its exponent: bucket e >> 4 gets the 24-bit mantissa shifted left
+// by e & 15 (at most 2^39 per add, so 2^14 blocks cannot overflow). Integer adds commute, so the
+// buckets end the same whatever the order, and the total is read back in one fixed order.
+#define SS_BUCKETS 16
+__device__ __forceinline__ void ss_add(unsigned long long* ss, float v) {
+    const unsigned bits = __float_as_uint(v);
+    unsigned e = (bits >> 23) & 0xff;
+    unsigned long long m = bits & 0x7fffff;
+    if (e) m |= 0x800000; else e = 1;  // subnormals: m * 2^(1 - 150)
+    atomicAdd(ss + (e >> 4), m << (e & 15));
+}
+// Warp-collective (all of warp 0 calls it; lane 0's result counts): lane b < SS_BUCKETS reads
+// bucket b, which counts units of 2^(16 b - 150), scales it by that exact power of two, and the
+// lanes' values are summed in a fixed shuffle tree, the same order every run. One load a lane at
+// the end of the block: a serial ldexp loop in thread 0 doubled the consumers' time (H200, run
+// 15: gate/up 1.9 -> 3.7 ms a token).
+__device__ __forceinline__ float norm_scale(const unsigned long long* ss, float inv_n, float eps,
+                                            unsigned long long* zero) {
+    const int lane = threadIdx.x & 31;
+    if (zero && blockIdx.x == 0 && lane < SS_BUCKETS) zero[lane] = 0ull;
+    if (!ss) return 1.0f;
+    double t = 0.0;
+    if (lane < SS_BUCKETS)
+        t = (double)__ldcg(ss + lane) *
+            __longlong_as_double((long long)(1023 + 16 * lane - 150) << 52);
+#pragma unroll
+    for (int o = SS_BUCKETS / 2; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
+    return 1.0f / sqrtf((float)t * inv_n + eps);
 }
 
 // y[n] (f32) = W[n, k] x.  Two rows per block. (Fewer blocks striding over the rows, to avoid a
 // partial last wave, were slower for this and gemv_glu: H200 run 9.)
 extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
 gemv_f32(const bf16* __restrict__ W, int n, int k, const bf16* __restrict__ x, float* __restrict__ y,
-         const float* __restrict__ ss, float inv_n, float eps, float* __restrict__ zero) {
+         const unsigned long long* __restrict__ ss, float inv_n, float eps,
+         unsigned long long* __restrict__ zero) {
     const int row = blockIdx.x * 2;
     long long off[2] = {(long long)row * k, (long long)min(row + 1, n - 1) * k};
     float acc[2];
     block_dot<2>(W, off, k, x, acc);
+    if (threadIdx.x >= 32) return;
+    const float sc = norm_scale(ss, inv_n, eps, zero);
     if (threadIdx.x == 0) {
-        const float sc = norm_scale(ss, inv_n, eps, zero);
         y[row] = acc[0] * sc;
         if (row + 1 < n) y[row + 1] = acc[1] * sc;
     }
@@ -123,13 +153,15 @@ gemv_f32(const bf16* __restrict__ W, int n, int k, const bf16* __restrict__ x, f
 extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
 gemv_glu(const bf16* __restrict__ W, int ff, int k, const bf16* __restrict__ x,
          const float* __restrict__ bias, int act, bf16* __restrict__ out,
-         const float* __restrict__ ss, float inv_n, float eps, float* __restrict__ zero) {
+         const unsigned long long* __restrict__ ss, float inv_n, float eps,
+         unsigned long long* __restrict__ zero) {
     const int i = blockIdx.x;
     long long off[2] = {(long long)i * k, (long long)(ff + i) * k};
     float acc[2];
     block_dot<2>(W, off, k, x, acc);
+    if (threadIdx.x >= 32) return;
+    const float sc = norm_scale(ss, inv_n, eps, zero);
     if (threadIdx.x == 0) {
-        const float sc = norm_scale(ss, inv_n, eps, zero);
         float g = acc[0] * sc, u = acc[1] * sc;
         if (bias) { g += bias[i]; u += bias[ff + i]; }
         out[i] = f2bf(activate(g, act) * u);
@@ -140,13 +172,15 @@ gemv_glu(const bf16* __restrict__ W, int ff, int k, const bf16* __restrict__ x,
 extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
 gemv_act(const bf16* __restrict__ W, int n, int k, const bf16* __restrict__ x,
          const float* __restrict__ bias, int act, bf16* __restrict__ out,
-         const float* __restrict__ ss, float inv_n, float eps, float* __restrict__ zero) {
+         const unsigned long long* __restrict__ ss, float inv_n, float eps,
+         unsigned long long* __restrict__ zero) {
     const int row = blockIdx.x * 2;
     long long off[2] = {(long long)row * k, (long long)min(row + 1, n - 1) * k};
     float acc[2];
     block_dot<2>(W, off, k, x, acc);
+    if (threadIdx.x >= 32) return;
+    const float sc = norm_scale(ss, inv_n, eps, zero);
     if (threadIdx.x == 0) {
-        const float sc = norm_scale(ss, inv_n, eps, zero);
         out[row] = f2bf(activate(acc[0] * sc + (bias ? bias[row] : 0.0f), act));
         if (row + 1 < n)
             out[row + 1] = f2bf(activate(acc[1] * sc + (bias ? bias[row + 1] : 0.0f), act));
@@ -165,8 +199,10 @@ gemv_qkv_rope(const bf16* __restrict__ W, int k, const bf16* __restrict__ x,
               const float* __restrict__ bias, const int* __restrict__ pos, int n_heads, int n_kv,
               int hd, const float* __restrict__ inv_freq, int rot, int interleaved,
               float pos_scale, float in_scale, float q_scale, float* __restrict__ q_out,
-              bf16* __restrict__ k_cache, bf16* __restrict__ v_cache, const float* __restrict__ ss,
-              float inv_n, float eps, float* __restrict__ zero) {
+              bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
+              const unsigned long long* __restrict__ ss, float inv_n, float eps,
+              unsigned long long* __restrict__ zero, const int* __restrict__ tables,
+              const int* __restrict__ table_off, int bs) {
     const int half_hd = hd >> 1;
     const int n_pairs = (n_heads + 2 * n_kv) * half_hd;
     const int half = inv_freq ? rot / 2 : 0;
@@ -191,8 +227,9 @@ gemv_qkv_rope(const bf16* __restrict__ W, int k, const bf16* __restrict__ x,
     // One vector a row in flight per thread (not UNROLL): the registers stay low enough for the
     // whole grid to be resident at once.
     block_dot<2 * QKV_PAIRS, 1>(W, off, k, x, acc);
-    if (threadIdx.x != 0) return;
+    if (threadIdx.x >= 32) return;
     const float sc = norm_scale(ss, inv_n, eps, zero);
+    if (threadIdx.x != 0) return;
     const int p = pos[0];
 #pragma unroll
     for (int q = 0; q < QKV_PAIRS; q++) {
@@ -219,7 +256,8 @@ gemv_qkv_rope(const bf16* __restrict__ W, int k, const bf16* __restrict__ x,
             q_out[rb] = x2 * q_scale;
         } else {
             const int kvh = is_v ? head[q] - n_heads - n_kv : head[q] - n_heads;
-            bf16* c = (is_v ? v_cache : k_cache) + ((long long)p * n_kv + kvh) * hd;
+            bf16* c = (is_v ? v_cache : k_cache) +
+                      (kv_slot(tables, table_off, 0, p, bs) * n_kv + kvh) * hd;
             c[a[q]] = f2bf(x1);
             c[b[q]] = f2bf(x2);
         }
@@ -227,67 +265,18 @@ gemv_qkv_rope(const bf16* __restrict__ W, int k, const bf16* __restrict__ x,
 }
 
 // A projection that feeds the residual stream (decode, no bias, no post-norm), with the residual
-// add and the next norm in its epilogue: x[row] += rscale * (W xin)[row] (f32), and the last
-// block to finish writes xn = norm(x) (RMSNorm, or LayerNorm when `layer`; a copy without nw)
-// as bf16. Two rows per block, as gemv_f32. `counter` is zero between launches.
-extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
-gemv_residual(const bf16* __restrict__ W, int n, int k, const bf16* __restrict__ xin,
-              float* __restrict__ x, float rscale, const float* __restrict__ nw,
-              const float* __restrict__ nb, float eps, int layer, bf16* __restrict__ xn,
-              int* __restrict__ counter) {
-    const int row = blockIdx.x * 2;
-    long long off[2] = {(long long)row * k, (long long)min(row + 1, n - 1) * k};
-    float acc[2];
-    block_dot<2>(W, off, k, xin, acc);
-    __shared__ int is_last;
-    __shared__ float scratch[33];
-    if (threadIdx.x == 0) {
-        x[row] = __ldcg(x + row) + acc[0] * rscale;
-        if (row + 1 < n) x[row + 1] = __ldcg(x + row + 1) + acc[1] * rscale;
-        __threadfence();
-        const int ticket = atomicAdd(counter, 1);
-        is_last = ticket == (int)gridDim.x - 1;
-        if (is_last) *counter = 0;  // ready for the next launch (graph replay)
-    }
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();
-    // Other blocks wrote x: read it from L2 (__ldcg), never from this SM's L1.
-    if (!nw) {
-        for (int i = threadIdx.x; i < n; i += blockDim.x) xn[i] = f2bf(__ldcg(x + i));
-        return;
-    }
-    float mean = 0.0f;
-    if (layer) {
-        float s = 0.0f;
-        for (int i = threadIdx.x; i < n; i += blockDim.x) s += __ldcg(x + i);
-        mean = block_sum(s, scratch) / (float)n;
-    }
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const float d = __ldcg(x + i) - mean;
-        ss += d * d;
-    }
-    const float r = 1.0f / sqrtf(block_sum(ss, scratch) / (float)n + eps);
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const float v = __ldcg(x + i);
-        const float y = layer ? ((v - mean) * r) * nw[i] + nb[i] : nw[i] * (v * r);
-        xn[i] = f2bf(y);
-    }
-}
-
-// A projection that feeds the residual stream (decode, no bias, no post-norm), with the residual
 // add in its epilogue and no serial tail: each block owns RES_ROWS rows, x[row] += rscale *
 // (W xin)[row] (f32), writes xz[row] = bf16(nw[row] * x[row]) (a copy without nw) and adds its
-// rows' squares into *ss; the next GEMV scales its dot products by 1/sqrt(*ss / n + eps)
-// (norm_scale), which finishes the RMSNorm. *ss is zeroed by the GEMV before this one. Four rows
+// rows' squares into the buckets at ss (ss_add); the next GEMV scales its dot products by
+// 1/sqrt(ss / n + eps) (norm_scale), which finishes the RMSNorm. The buckets are zeroed by the
+// GEMV before this one. Four rows
 // a block, one vector a row in flight and at most 40 registers keep a 4096-row matrix in one
 // wave of resident blocks (with two rows a block, 2048 blocks took 1.3 waves).
 #define RES_ROWS 4
 extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_BLOCKS_PER_SM)
 gemv_res(const bf16* __restrict__ W, int n, int k, const bf16* __restrict__ xin,
          float* __restrict__ x, float rscale, const float* __restrict__ nw, bf16* __restrict__ xz,
-         float* __restrict__ ss) {
+         unsigned long long* __restrict__ ss) {
     const int row = blockIdx.x * RES_ROWS;
     long long off[RES_ROWS];
 #pragma unroll
@@ -306,6 +295,6 @@ gemv_res(const bf16* __restrict__ W, int n, int k, const bf16* __restrict__ xin,
                 sq = fmaf(v, v, sq);
             }
         }
-        if (ss) atomicAdd(ss, sq);
+        if (ss) ss_add(ss, sq);
     }
 }

@@ -39,6 +39,7 @@ pub const ELEMENTWISE: KernelSource = KernelSource {
         "fill_uniform_bf16",
         "fill_f32",
         "spin_ns",
+        "gather_rows",
     ],
     hot: true,
     variants: &[],
@@ -60,7 +61,7 @@ pub const ATTENTION: KernelSource = KernelSource {
         "attn_combine",
         "attn_softmax",
         "attn_unstack",
-        "attn_flash",
+        "kv_gather",
     ],
     hot: true,
     variants: &[
@@ -81,11 +82,10 @@ pub const GEMV: KernelSource = KernelSource {
         "gemv_glu",
         "gemv_act",
         "gemv_qkv_rope",
-        "gemv_residual",
         "gemv_res",
     ],
     hot: true,
-    variants: &["UNROLL=2", "UNROLL=4", "UNROLL=8"],
+    variants: &[],
 };
 
 /// Every kernel source.

@@ -68,18 +68,6 @@ __device__ __forceinline__ uint4 ld_stream(const void* p) {
     return r;
 }
 
-// Programmatic dependent launch (sm_90+): a kernel lets the next one start launching early, and
-// waits for its predecessor's completion before touching memory. Without the launch attribute
-// both are no-ops.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define GRID_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
-#define GRID_LAUNCH_DEPENDENTS() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
-#else
-#define GRID_WAIT()
-#define GRID_LAUNCH_DEPENDENTS()
-#endif
-#define GRID_SYNC() do { GRID_LAUNCH_DEPENDENTS(); GRID_WAIT(); } while (0)
-
 // Thread-block clusters (sm_90+): the barrier over all threads of the cluster's blocks, the
 // block's rank and the cluster's size, and a load from a peer block's shared memory.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -120,4 +108,11 @@ __device__ __forceinline__ uint4 ld_nc(const void* p) {
         : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
         : "l"(p));
     return r;
+}
+
+// The KV-cache slot of position p of a token's sequence: through its block table (paged cache,
+// blocks of bs positions), or p itself without one (a contiguous cache).
+__device__ __forceinline__ long long kv_slot(const int* tables, const int* table_off, int t, int p,
+                                             int bs) {
+    return tables ? (long long)tables[table_off[t] + p / bs] * bs + p % bs : (long long)p;
 }

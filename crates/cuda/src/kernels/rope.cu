@@ -1,7 +1,8 @@
 // q/k/v post-processing after the fused qkv projection, one warp per head:
 // bias, per-head RMSNorm of q and k, RoPE (half-split or interleaved, on the first `rot` dims,
 // per-row positions), attention scale folded into q, and k/v written into the layer's cache.
-// With `q_stacked`, q goes there as bf16 in the prefill GEMMs' layout instead of to q_out.
+// q goes to q_stacked (bf16, the prefill GEMMs' layout) and/or q_out (f32), whichever is given.
+// With block tables (`tables`, each token's at `table_off[t]`), k/v go to the paged slots.
 
 #define ROPE_WARPS 8
 #define MAX_HD 256
@@ -11,8 +12,8 @@ qkv_rope(const float* __restrict__ qkv, const float* __restrict__ bias, const in
          int n_heads, int n_kv, int hd, const float* __restrict__ q_norm,
          const float* __restrict__ k_norm, float eps, const float* __restrict__ inv_freq, int rot,
          int interleaved, float pos_scale, float in_scale, float q_scale, float* __restrict__ q_out,
-         bf16* __restrict__ k_cache, bf16* __restrict__ v_cache, bf16* __restrict__ q_stacked) {
-    GRID_SYNC();
+         bf16* __restrict__ k_cache, bf16* __restrict__ v_cache, bf16* __restrict__ q_stacked,
+         const int* __restrict__ tables, const int* __restrict__ table_off, int bs) {
     __shared__ float buf[ROPE_WARPS][MAX_HD];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int head = blockIdx.y * ROPE_WARPS + warp;
@@ -51,17 +52,20 @@ qkv_rope(const float* __restrict__ qkv, const float* __restrict__ bias, const in
         }
         __syncwarp();
     }
-    if (is_q && q_stacked) {
-        // bf16, stacked per kv head for the batched GEMMs: [kv head][t * group + j][hd].
-        const int group = n_heads / n_kv, g = head / group, j = head % group;
-        bf16* out = q_stacked + (((long long)g * gridDim.x + t) * group + j) * hd;
-        for (int d = lane; d < hd; d += 32) out[d] = f2bf(s[d] * q_scale);
-    } else if (is_q) {
-        float* out = q_out + t * q_dim + off;
-        for (int d = lane; d < hd; d += 32) out[d] = s[d] * q_scale;
+    if (is_q) {
+        if (q_stacked) {
+            // bf16, stacked per kv head for the batched GEMMs: [kv head][t * group + j][hd].
+            const int group = n_heads / n_kv, g = head / group, j = head % group;
+            bf16* out = q_stacked + (((long long)g * gridDim.x + t) * group + j) * hd;
+            for (int d = lane; d < hd; d += 32) out[d] = f2bf(s[d] * q_scale);
+        }
+        if (q_out) {
+            float* out = q_out + t * q_dim + off;
+            for (int d = lane; d < hd; d += 32) out[d] = s[d] * q_scale;
+        }
     } else {
         const int kvh = head - n_heads;
-        const long long c = ((long long)p * n_kv + kvh) * hd;
+        const long long c = (kv_slot(tables, table_off, (int)t, p, bs) * n_kv + kvh) * hd;
         for (int d = lane; d < hd; d += 32) {
             k_cache[c + d] = f2bf(s[d]);
             const int vo = q_dim + kv_dim + kvh * hd + d;

@@ -1,12 +1,12 @@
-//! The bridge to the CUDA backend (`trellm-cuda`): the decoder's `ModelConfig` and `Weights`
-//! become the GPU decoder's plain config and bf16 buffers, and the GPU decoder is checked against
-//! the CPU decoder in the same binary.
+//! The bridge to the CUDA backend (`trellm-cuda`): the GPU decoder uploads the model's weights
+//! (rounded to bf16) and runs its config and plan; it is checked against the CPU decoder in the
+//! same binary.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use anyhow::{anyhow, bail, ensure, Context, Result};
-use trellm_cuda::dense::{self, DenseConfig, DenseModel, DenseWeights, HostLayer, HostNorm};
+use anyhow::{anyhow, bail, ensure, Result};
+use trellm_cuda::dense::{DenseModel, DenseWeights, PagedKv, KV_BLOCK, MAX_SEQS};
 use trellm_cuda::Gpu;
 
 use trellm_model::{Batch, ModelBackend, Want};
@@ -14,82 +14,10 @@ use trellm_model::{Batch, ModelBackend, Want};
 use super::cpu::CpuModel;
 use super::SoloSequence;
 use crate::engine::generate::PREFILL_STEP;
-use crate::model::config::{Activation, Mlp, ModelConfig, Norm, QkNorm};
-use crate::model::weights::{Linear, LinearWeight, Matrix, NormWeights, Weights};
+use crate::model::config::ModelConfig;
+use crate::model::weights::{LayerWeights, Linear, LinearWeight, Matrix, NormWeights, Weights};
 
 pub use trellm_cuda::{available, unavailable_reason};
-
-/// The GPU decoder's view of `cfg`; fails for what the CUDA path does not run yet.
-pub fn dense_config(cfg: &ModelConfig) -> Result<DenseConfig> {
-    let layers = cfg
-        .layers
-        .iter()
-        .map(|l| {
-            let rope = l.rope.as_ref().map(|r| dense::RopeSpec {
-                dims: r.dims,
-                interleaved: r.traditional,
-                position_scale: r.position_scale,
-                input_scale: r.input_scale.unwrap_or(1.0),
-                inv_freq: r.inv_freq(1),
-                dynamic: r.is_dynamic().then(|| {
-                    let r = r.clone();
-                    dense::InvFreqAt(Arc::new(move |len| r.inv_freq(len)))
-                }),
-            });
-            Ok(dense::LayerSpec {
-                window: l.sliding_window,
-                rope,
-            })
-        })
-        .collect::<Result<Vec<_>>>()?;
-    Ok(DenseConfig {
-        hidden: cfg.hidden,
-        intermediate: cfg.intermediate,
-        n_heads: cfg.n_heads,
-        n_kv_heads: cfg.n_kv_heads,
-        head_dim: cfg.head_dim,
-        vocab: cfg.vocab,
-        norm_eps: cfg.norm_eps,
-        norm: match cfg.norm {
-            Norm::Rms => dense::NormKind::Rms,
-            Norm::Layer => dense::NormKind::Layer,
-        },
-        pre_norms: cfg.pre_norms,
-        post_norms: cfg.post_norms,
-        qk_norm: match cfg.qk_norm {
-            QkNorm::None => dense::QkNormKind::None,
-            QkNorm::PerHead => dense::QkNormKind::PerHead,
-            QkNorm::Whole => dense::QkNormKind::Whole,
-        },
-        activation: match cfg.activation {
-            Activation::Silu => dense::Act::Silu,
-            Activation::GeluTanh => dense::Act::GeluTanh,
-            Activation::Gelu => dense::Act::Gelu,
-        },
-        gated: cfg.mlp == Mlp::Gated,
-        qkv_bias: cfg.qkv_bias,
-        o_bias: cfg.o_bias,
-        mlp_bias: cfg.mlp_bias,
-        tied_embeddings: cfg.tied_embeddings,
-        embed_scale: cfg.embed_scale,
-        residual_scale: cfg.residual_scale,
-        attn_scale: cfg.attn_scale,
-        attn_softcap: cfg.attn_softcap,
-        final_softcap: cfg.final_softcap,
-        logits_divisor: cfg.logits_divisor,
-        layers,
-    })
-}
-
-/// Appends `m`'s rows, decoded exactly and rounded to bf16.
-fn push_bf16(out: &mut Vec<u16>, m: &Matrix) {
-    let mut row = vec![0.0f32; m.cols];
-    out.reserve(m.rows * m.cols);
-    for r in 0..m.rows {
-        m.dequantize_row(r, &mut row);
-        out.extend(row.iter().map(|&v| dense::to_bf16(v)));
-    }
-}
 
 /// The matrix of a projection in a ggml format (EXL3 weights need the trellis kernels).
 fn ggml(l: &LinearWeight) -> Result<&Matrix> {
@@ -99,89 +27,21 @@ fn ggml(l: &LinearWeight) -> Result<&Matrix> {
     }
 }
 
-fn bf16_of(ls: &[&LinearWeight]) -> Result<Vec<u16>> {
-    let mut out = Vec::new();
-    for l in ls {
-        push_bf16(&mut out, ggml(l)?);
-    }
-    Ok(out)
-}
-
-fn host_norm(n: &NormWeights) -> HostNorm {
-    HostNorm {
-        w: n.w.clone(),
-        b: n.b.clone(),
-    }
-}
-
-/// Biases of several projections side by side (zeros where one has none); None if none has one.
-fn biases(ls: &[&Linear]) -> Option<Vec<f32>> {
-    if ls.iter().all(|l| l.b.is_none()) {
-        return None;
-    }
-    let mut v = Vec::new();
-    for l in ls {
-        match &l.b {
-            Some(b) => v.extend_from_slice(b),
-            None => v.extend(std::iter::repeat_n(0.0, l.w.rows())),
-        }
-    }
-    Some(v)
-}
-
-/// Uploads `weights` (any stored format, rounded to bf16) and builds the GPU decoder.
+/// Uploads `model`'s weights (any stored format, rounded to bf16) and builds the GPU decoder
+/// over its config and plan.
 pub fn upload(
     gpu: Arc<Gpu>,
-    cfg: &ModelConfig,
-    weights: &Weights,
+    model: &CpuModel,
     max_context: usize,
     max_prefill: usize,
 ) -> Result<DenseModel> {
-    let dc = dense_config(cfg)?;
-    let layers = weights.layers.iter().map(|lw| {
-        let gate_up = match &lw.gate {
-            Some(g) => vec![g, &lw.up],
-            None => vec![&lw.up],
-        };
-        Ok(HostLayer {
-            attn_norm: lw.attn_norm.as_ref().map(host_norm),
-            qkv: bf16_of(&[&lw.q.w, &lw.k.w, &lw.v.w])?,
-            qkv_bias: biases(&[&lw.q, &lw.k, &lw.v]),
-            q_norm: lw.q_norm.clone(),
-            k_norm: lw.k_norm.clone(),
-            o: bf16_of(&[&lw.o.w])?,
-            o_bias: lw.o.b.clone(),
-            post_attn_norm: lw.post_attn_norm.as_ref().map(host_norm),
-            ffn_norm: lw.ffn_norm.as_ref().map(host_norm),
-            gate_up: bf16_of(&gate_up.iter().map(|l| &l.w).collect::<Vec<_>>())?,
-            gate_up_bias: biases(&gate_up),
-            down: bf16_of(&[&lw.down.w])?,
-            down_bias: lw.down.b.clone(),
-            post_ffn_norm: lw.post_ffn_norm.as_ref().map(host_norm),
-        })
-    });
-    let mut embed = Vec::new();
-    push_bf16(&mut embed, &weights.embed);
-    let lm_head = if cfg.tied_embeddings {
-        None
-    } else {
-        Some(bf16_of(&[&weights.lm_head])?)
-    };
-    let w = DenseWeights::upload(
-        &gpu,
-        &dc,
-        &embed,
-        &host_norm(&weights.final_norm),
-        lm_head.as_deref(),
-        layers,
-    )?;
-    DenseModel::new(gpu, dc, w, max_context, max_prefill)
+    let w = DenseWeights::upload(&gpu, &model.cfg, &model.weights)?;
+    DenseModel::new(gpu, &model.cfg, &model.plan, w, max_context, max_prefill)
 }
 
-/// The GPU decoder behind the step contract, for one sequence at a time: its KV cache is the
-/// decoder's own contiguous one, so a batch holds one sequence and the block ids are only
-/// checked for room. (Paged blocks and batched kernels on CUDA come with the GPU half of the
-/// engine work; until then the engine runs CUDA with `max_seqs = 1`.)
+/// The GPU decoder behind the step contract: ragged batches of many sequences over a paged KV
+/// cache on the device (blocks of [`KV_BLOCK`] positions addressed through each sequence's block
+/// table), see [`DenseModel::step_batch`].
 pub struct CudaModel {
     cfg: ModelConfig,
     dense: Mutex<SendDense>,
@@ -193,24 +53,64 @@ struct SendDense(DenseModel);
 // SAFETY: see above: access is serialized by the mutex and the context is bound per call.
 unsafe impl Send for SendDense {}
 
-/// The GPU's KV cache lives in its decoder; this records the pool's geometry.
-pub struct CudaCache {
-    positions: usize,
-}
+/// The KV blocks on the device.
+pub struct CudaCache(PagedKv);
+// SAFETY: device buffers, used only under the model's mutex (see SendDense).
+unsafe impl Send for CudaCache {}
 
 impl CudaModel {
-    /// Uploads `model` with a KV cache of `capacity` positions (at most the model's context).
+    /// Uploads `model` for sequences of up to `capacity` positions each (at most the model's
+    /// context).
     pub fn new(model: &CpuModel, capacity: usize) -> Result<CudaModel> {
         if !available() {
             bail!("--device cuda: {}", unavailable_reason());
         }
         let gpu = Arc::new(Gpu::new(0)?);
         let cap = capacity.clamp(1, model.cfg.max_context.max(1));
-        let dense = upload(gpu, &model.cfg, &model.weights, cap, cap.min(PREFILL_STEP))?;
+        let dense = upload(gpu, model, cap, PREFILL_STEP.min(cap.max(MAX_SEQS)))?;
         Ok(CudaModel {
             cfg: model.cfg.clone(),
             dense: Mutex::new(SendDense(dense)),
         })
+    }
+
+    /// Seeded synthetic weights of a named shape (`bench --shape`), generated on the device.
+    pub fn synthetic(shape: &str, capacity: usize) -> Result<CudaModel> {
+        if !available() {
+            bail!("--device cuda: {}", unavailable_reason());
+        }
+        let gpu = Arc::new(Gpu::new(0)?);
+        let cfg = trellm_cuda::bench::shape(shape)?;
+        let plan = trellm_model::Plan::new(&cfg);
+        let w = DenseWeights::synthetic(&gpu, &cfg, 1)?;
+        let cap = capacity.max(1);
+        let dense = DenseModel::new(
+            gpu,
+            &cfg,
+            &plan,
+            w,
+            cap,
+            PREFILL_STEP.min(cap.max(MAX_SEQS)),
+        )?;
+        Ok(CudaModel {
+            cfg,
+            dense: Mutex::new(SendDense(dense)),
+        })
+    }
+
+    /// [`ModelBackend::step`] with every kernel timed (the batched bench's profile).
+    pub fn profile_step(
+        &self,
+        batch: &Batch,
+        cache: &mut CudaCache,
+    ) -> Result<Vec<trellm_cuda::KernelTime>> {
+        self.dense()?.0.profile_step_batch(batch, &cache.0)
+    }
+
+    fn dense(&self) -> Result<std::sync::MutexGuard<'_, SendDense>> {
+        self.dense
+            .lock()
+            .map_err(|_| anyhow!("the CUDA decoder panicked"))
     }
 }
 
@@ -222,100 +122,77 @@ impl ModelBackend for CudaModel {
     }
 
     fn new_cache(&self, n_blocks: usize, block_size: usize) -> Result<CudaCache> {
-        Ok(CudaCache {
-            positions: n_blocks * block_size,
-        })
+        ensure!(
+            block_size == KV_BLOCK,
+            "the CUDA KV cache takes blocks of {KV_BLOCK} positions, not {block_size}"
+        );
+        Ok(CudaCache(self.dense()?.0.paged_kv(n_blocks)?))
     }
 
     fn block_bytes(&self, block_size: usize) -> usize {
         self.cfg.n_layers() * 2 * block_size * self.cfg.n_kv_heads * self.cfg.head_dim * 2
     }
 
-    fn copy_blocks(&self, _: &mut CudaCache, copies: &[(u32, u32)]) -> Result<()> {
-        ensure!(
-            copies.is_empty(),
-            "shared KV blocks are not supported on CUDA yet"
-        );
-        Ok(())
+    fn copy_blocks(&self, cache: &mut CudaCache, copies: &[(u32, u32)]) -> Result<()> {
+        self.dense()?.0.copy_blocks(&mut cache.0, copies)
     }
 
     fn step(&self, batch: &Batch, cache: &mut CudaCache) -> Result<Vec<f32>> {
-        let [s] = batch.seqs.as_slice() else {
-            ensure!(
-                batch.seqs.is_empty(),
-                "the CUDA backend runs one sequence at a time for now"
-            );
-            return Ok(Vec::new());
-        };
-        if s.want == Want::All {
-            bail!("logits at every prompt position (--prompt-logprobs) are computed on the CPU only; drop --device cuda");
-        }
-        let mut guard = self
-            .dense
-            .lock()
-            .map_err(|_| anyhow!("the CUDA decoder panicked"))?;
-        let m = &mut guard.0;
-        if s.start == 0 {
-            m.reset()?;
-        }
-        ensure!(
-            m.len() == s.start,
-            "the CUDA backend holds one sequence: position {} follows {}",
-            s.start,
-            m.len()
-        );
-        ensure!(
-            s.start + s.len <= m.max_context.min(cache.positions),
-            "the context is full ({} positions on the GPU)",
-            m.max_context
-        );
-        let tokens = &batch.tokens[s.offset..s.offset + s.len];
-        match tokens {
-            [t] if !m.is_empty() => {
-                m.set_next_token(*t)?;
-                m.decode_step()?;
-            }
-            _ => m.prefill(tokens)?,
-        }
-        match s.want {
-            Want::None => Ok(Vec::new()),
-            _ => m.logits(),
-        }
+        self.dense()?.0.step_batch(batch, &cache.0)
     }
 }
 
-/// Copies a model folder (`config.json` + one `model.safetensors`) with every f32 weight rounded
-/// to bf16, so the CPU decoder runs on exactly the values the GPU holds.
-fn bf16_rounded_copy(src: &Path, dst: &Path) -> Result<()> {
-    std::fs::create_dir_all(dst)?;
-    for f in ["config.json", "generation_config.json"] {
-        if src.join(f).exists() {
-            std::fs::copy(src.join(f), dst.join(f))?;
+/// `w` with every matrix decoded and rounded to bf16 (the values the GPU holds), stored as f32
+/// in memory, whatever the file's format; norms and biases stay f32 as on the GPU.
+pub fn bf16_rounded(w: &Weights) -> Result<Weights> {
+    let mat = |m: &Matrix| -> Result<Matrix> {
+        let mut v = vec![0.0f32; m.rows * m.cols];
+        for (r, row) in v.chunks_exact_mut(m.cols.max(1)).enumerate() {
+            m.dequantize_row(r, row);
+            for x in row.iter_mut() {
+                *x = half::bf16::from_f32(*x).to_f32();
+            }
         }
-    }
-    let mut bytes = std::fs::read(src.join("model.safetensors"))
-        .with_context(|| format!("{}: model.safetensors", src.display()))?;
-    ensure!(bytes.len() >= 8, "truncated safetensors");
-    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n])?;
-    let base = 8 + n;
-    for (name, t) in header.as_object().context("safetensors header")? {
-        if name == "__metadata__" || t["dtype"] != "F32" {
-            continue;
-        }
-        let off = &t["data_offsets"];
-        let (a, b) = (
-            base + off[0].as_u64().context("offset")? as usize,
-            base + off[1].as_u64().context("offset")? as usize,
-        );
-        for c in bytes[a..b].chunks_exact_mut(4) {
-            let v = f32::from_le_bytes(c.try_into().unwrap());
-            let r = half::bf16::from_f32(v).to_f32();
-            c.copy_from_slice(&r.to_le_bytes());
-        }
-    }
-    std::fs::write(dst.join("model.safetensors"), bytes)?;
-    Ok(())
+        Matrix::from_f32(m.rows, m.cols, &v)
+    };
+    let lw = |l: &LinearWeight| -> Result<LinearWeight> { Ok(LinearWeight::Ggml(mat(ggml(l)?)?)) };
+    let lin = |l: &Linear| -> Result<Linear> {
+        Ok(Linear {
+            w: lw(&l.w)?,
+            b: l.b.clone(),
+        })
+    };
+    let norm = |n: &NormWeights| NormWeights {
+        w: n.w.clone(),
+        b: n.b.clone(),
+    };
+    let layers = w
+        .layers
+        .iter()
+        .map(|l| {
+            Ok(LayerWeights {
+                attn_norm: l.attn_norm.as_ref().map(norm),
+                q: lin(&l.q)?,
+                k: lin(&l.k)?,
+                v: lin(&l.v)?,
+                o: lin(&l.o)?,
+                q_norm: l.q_norm.clone(),
+                k_norm: l.k_norm.clone(),
+                post_attn_norm: l.post_attn_norm.as_ref().map(norm),
+                ffn_norm: l.ffn_norm.as_ref().map(norm),
+                gate: l.gate.as_ref().map(lin).transpose()?,
+                up: lin(&l.up)?,
+                down: lin(&l.down)?,
+                post_ffn_norm: l.post_ffn_norm.as_ref().map(norm),
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Weights {
+        embed: mat(&w.embed)?,
+        layers,
+        final_norm: norm(&w.final_norm),
+        lm_head: lw(&w.lm_head)?,
+    })
 }
 
 /// One comparison of the GPU decoder against the CPU decoder.
@@ -357,25 +234,19 @@ fn top2_gap(x: &[f32]) -> f32 {
 }
 
 /// Runs a prompt and `steps` greedy steps on the CPU and the GPU decoder (weights rounded to
-/// bf16 for both) and compares logits and ids.
-pub fn check_against_cpu(model_dir: &Path, steps: usize) -> Result<CheckReport> {
-    let name = model_dir
-        .file_name()
-        .map(|s| s.to_string_lossy().to_string())
-        .unwrap_or_default();
-    let tmp = std::env::temp_dir().join(format!("trellm-cuda-check-{}-{name}", std::process::id()));
-    bf16_rounded_copy(model_dir, &tmp)?;
-    let loaded = crate::model::load::load(&tmp);
-    let _ = std::fs::remove_dir_all(&tmp);
-    let loaded = loaded?;
-    let model = &*loaded.model;
+/// bf16 for both, see [`bf16_rounded`]) and compares logits and ids. `model_path`: any model
+/// trellm loads (a folder, a GGUF file).
+pub fn check_against_cpu(model_path: &Path, steps: usize) -> Result<CheckReport> {
+    let loaded = crate::model::load::load(model_path)?;
+    let src = &*loaded.model;
+    let model = &CpuModel::new(src.cfg.clone(), bf16_rounded(&src.weights)?);
     let cfg = &model.cfg;
     let prompt: Vec<u32> = (0..11u32)
         .map(|i| (i * 37 + 3) % cfg.vocab as u32)
         .collect();
     let ctx = prompt.len() + steps + 1;
     let gpu = Arc::new(Gpu::new(0)?);
-    let mut g = upload(gpu, cfg, &model.weights, ctx, prompt.len())?;
+    let mut g = upload(gpu, model, ctx, prompt.len())?;
 
     let mut cpu = SoloSequence::new(model, ctx)?;
     let mut cpu_logits = cpu.forward(&prompt, Want::Last)?;
@@ -402,7 +273,7 @@ pub fn check_against_cpu(model_dir: &Path, steps: usize) -> Result<CheckReport> 
         max_abs = max_abs.max(a);
     }
     Ok(CheckReport {
-        model: model_dir.to_path_buf(),
+        model: model_path.to_path_buf(),
         steps,
         max_rel_err: max_rel,
         max_abs_err: max_abs,
@@ -410,4 +281,49 @@ pub fn check_against_cpu(model_dir: &Path, steps: usize) -> Result<CheckReport> 
         gpu_ids,
         gap_at_divergence: gap,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The CPU side of `bench --check`: every matrix holds exactly the bf16 rounding of the
+    /// stored values, in memory, so the check needs no folder layout (any format loads).
+    #[test]
+    fn bf16_rounded_weights_hold_the_rounded_values() {
+        let dir = Path::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../tests/fixtures/tiny/llama"
+        ));
+        let loaded = crate::model::load::load(dir).unwrap();
+        let w = &loaded.model.weights;
+        let r = bf16_rounded(w).unwrap();
+        let pairs = [
+            (&w.embed, &r.embed),
+            (
+                ggml(&w.layers[0].q.w).unwrap(),
+                ggml(&r.layers[0].q.w).unwrap(),
+            ),
+            (
+                ggml(&w.layers[1].down.w).unwrap(),
+                ggml(&r.layers[1].down.w).unwrap(),
+            ),
+        ];
+        let mut changed = 0;
+        for (a, b) in pairs {
+            assert_eq!((a.rows, a.cols), (b.rows, b.cols));
+            let (mut ra, mut rb) = (vec![0.0; a.cols], vec![0.0; a.cols]);
+            for row in 0..a.rows {
+                a.dequantize_row(row, &mut ra);
+                b.dequantize_row(row, &mut rb);
+                for (x, y) in ra.iter().zip(&rb) {
+                    assert_eq!(half::bf16::from_f32(*x).to_f32().to_bits(), y.to_bits());
+                    changed += (x != y) as usize;
+                }
+            }
+        }
+        // The fixture's f32 weights are not all bf16 values: the rounding did something.
+        assert!(changed > 0);
+        assert_eq!(w.final_norm.w, r.final_norm.w);
+    }
 }

@@ -183,27 +183,45 @@ struct BatchRow {
 /// (logits of each sequence's last token only), then `n_gen` steps of one token per sequence,
 /// no sampling; reported with llama-batched-bench's columns.
 fn batched(a: &BenchArgs, m: &LoadedModel, sizes: &[usize]) -> Result<()> {
-    if a.device != Device::Cpu {
-        bail!("bench --batch runs on the CPU for now (batched CUDA steps are not built yet)");
+    let label = m.path.display().to_string();
+    match a.device {
+        Device::Cpu => batched_on(a, &*m.model, &label, sizes),
+        Device::Cuda => batched_cuda(a, m, &label, sizes),
     }
+}
+
+#[cfg(feature = "cuda")]
+fn batched_cuda(a: &BenchArgs, m: &LoadedModel, label: &str, sizes: &[usize]) -> Result<()> {
+    let model = crate::backend::cuda::CudaModel::new(&m.model, a.n_prompt + a.n_gen)?;
+    batched_on(a, &model, label, sizes)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn batched_cuda(_: &BenchArgs, _: &LoadedModel, _: &str, _: &[usize]) -> Result<()> {
+    bail!("--device cuda: this trellm was built without the cuda feature")
+}
+
+/// [`batched`] on any backend (`label` names the model in the table's header).
+pub(super) fn batched_on<M: ModelBackend>(
+    a: &BenchArgs,
+    model: &M,
+    label: &str,
+    sizes: &[usize],
+) -> Result<()> {
     if sizes.is_empty() || sizes.contains(&0) {
         bail!("--batch takes batch sizes of at least 1, e.g. 1,2,4,8");
     }
     if a.n_prompt == 0 {
         bail!("bench --batch needs --n-prompt of at least 1");
     }
-    let model = &*m.model;
-    let tok = model
-        .cfg
-        .bos_id
-        .unwrap_or(0)
-        .min(model.cfg.vocab as u32 - 1);
+    let cfg = model.config();
+    let tok = cfg.bos_id.unwrap_or(0).min(cfg.vocab as u32 - 1);
     let threads = crate::backend::cpu::pool().current_num_threads();
     if !a.json {
         println!(
-            "model: {}  threads: {threads}  (as llama-batched-bench: PP prompt tokens and TG \
-             generated tokens per sequence, B sequences)",
-            m.path.display()
+            "model: {label}  device: {}  threads: {threads}  (as llama-batched-bench: PP prompt \
+             tokens and TG generated tokens per sequence, B sequences)",
+            a.device.name()
         );
         println!(
             "|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |"
@@ -223,7 +241,7 @@ fn batched(a: &BenchArgs, m: &LoadedModel, sizes: &[usize]) -> Result<()> {
             println!(
                 "{}",
                 serde_json::json!({
-                    "pp": a.n_prompt, "tg": a.n_gen, "b": r.b, "n_kv": r.n_kv,
+                    "device": a.device.name(), "pp": a.n_prompt, "tg": a.n_gen, "b": r.b, "n_kv": r.n_kv,
                     "t_pp": r.t_pp, "s_pp": pp / r.t_pp, "t_tg": r.t_tg, "s_tg": s_tg,
                     "t": t, "s": r.n_kv as f64 / t,
                 })

@@ -16,6 +16,20 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     if !cuda::available() {
         bail!("--device cuda: {}", cuda::unavailable_reason());
     }
+    if let (Some(sizes), Some(shape)) = (&a.batch, &a.shape) {
+        let model = cuda::CudaModel::synthetic(shape, a.n_prompt + a.n_gen)?;
+        super::bench::batched_on(a, &model, &format!("--shape {shape}"), sizes)?;
+        let b = sizes.iter().copied().max().unwrap_or(1);
+        let (wall_ms, prof) = profile_batch(&model, b, a.n_prompt)?;
+        let obj = serde_json::json!({
+            "b": b,
+            "context": a.n_prompt,
+            "decode_step_wall_ms": wall_ms,
+            "decode_step_profile_us": profile_json(&prof),
+        });
+        println!("{obj}");
+        return Ok(());
+    }
     if a.check {
         let dir = trellm_hub::resolve_model(&a.model.model, false)?;
         let r = cuda::check_against_cpu(&dir, a.n_gen)?;
@@ -57,15 +71,12 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         "context": o.context,
         "n_gen": o.n_gen,
         "decode_tok_s": r.decode_tok_s,
-        "decode_ms_per_token": 1e3 / r.decode_tok_s,
+        "decode_ms_per_token": r.decode_ms,
         "decode_weight_bytes": r.decode_weight_bytes,
         "decode_tb_s": r.decode_bytes_per_s / 1e12,
         "decode_frac_of_copy": r.decode_bytes_per_s / copy,
-        "decode_ms_pdl": r.decode_ms_pdl,
-        "decode_ms_no_pdl": r.decode_ms_no_pdl,
-        "gemv_only_ms_pdl": r.gemv_only_ms_pdl,
-        "gemv_only_ms_no_pdl": r.gemv_only_ms_no_pdl,
-        "gemv_only_tb_s": r.decode_weight_bytes as f64 / (r.gemv_only_ms_pdl.min(r.gemv_only_ms_no_pdl) * 1e-3) / 1e12,
+        "gemv_only_ms": r.gemv_only_ms,
+        "gemv_only_tb_s": r.decode_weight_bytes as f64 / (r.gemv_only_ms * 1e-3) / 1e12,
         "decode_ids": r.decode_ids,
         "logits_finite": r.logits_finite,
         "decode_profile_us": profile_json(&r.decode_profile),
@@ -77,6 +88,39 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&obj)?);
     }
     Ok(())
+}
+
+/// One decode step of `b` sequences at context `ctx` (after their prefill): its wall time
+/// (logits on the host included) and, in a second step, the time of every kernel.
+#[cfg(feature = "cuda")]
+fn profile_batch(
+    model: &crate::backend::cuda::CudaModel,
+    b: usize,
+    ctx: usize,
+) -> Result<(f64, Vec<trellm_cuda::KernelTime>)> {
+    use crate::backend::BLOCK_SIZE;
+    use trellm_model::{Batch, BlockPool, BlockTable, ModelBackend, Want};
+    let blocks = b * (ctx + 2).div_ceil(BLOCK_SIZE);
+    let mut cache = model.new_cache(blocks, BLOCK_SIZE)?;
+    let mut pool = BlockPool::new(blocks, BLOCK_SIZE);
+    let mut tables: Vec<BlockTable> = (0..b).map(|_| BlockTable::default()).collect();
+    for t in &mut tables {
+        pool.grow(t, ctx + 2).map_err(|e| anyhow::anyhow!("{e}"))?;
+    }
+    let step = |len: usize, start: usize| {
+        let mut batch = Batch::default();
+        for (i, t) in tables.iter().enumerate() {
+            let toks: Vec<u32> = (0..len as u32).map(|j| (j * 7 + i as u32) % 1000).collect();
+            batch.push(&toks, start, t.blocks().to_vec(), Want::Last);
+        }
+        batch
+    };
+    model.step(&step(ctx, 0), &mut cache)?;
+    let t0 = std::time::Instant::now();
+    model.step(&step(1, ctx), &mut cache)?;
+    let wall_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let prof = model.profile_step(&step(1, ctx + 1), &mut cache)?;
+    Ok((wall_ms, prof))
 }
 
 /// `[[name, calls, total microseconds], ...]`, largest first.

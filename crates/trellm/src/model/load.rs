@@ -117,9 +117,6 @@ impl LoadedModel {
         tok: Option<&'t Tokenizer>,
         opts: EngineOptions,
     ) -> Result<Engine<'t>> {
-        if opts.max_seqs > 1 {
-            bail!("--device cuda runs one sequence at a time for now; batches run on the CPU");
-        }
         let positions = opts.kv_blocks * crate::backend::BLOCK_SIZE;
         let model = crate::backend::cuda::CudaModel::new(&self.model, positions)?;
         Ok(Engine::new(Arc::new(model), tok, opts)?)
