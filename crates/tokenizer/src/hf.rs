@@ -65,10 +65,14 @@ fn id_list(v: Option<&Json>) -> Option<Vec<u32>> {
 pub(crate) fn load(dir: &Path) -> Result<Tokenizer, TokenizerError> {
     let tj = dir.join("tokenizer.json");
     let bytes = read(&tj)?;
-    let tok = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| TokenizerError::Json {
+    let json_err = |msg: String| TokenizerError::Json {
         path: tj.display().to_string(),
-        msg: e.to_string(),
-    })?;
+        msg: trellm_formats::quote_max(&msg, 200),
+    };
+    // JSON syntax first: the tokenizers crate panics (instead of failing) on some malformed
+    // files, e.g. a syntax error inside the decoder object.
+    serde_json::from_slice::<serde::de::IgnoredAny>(&bytes).map_err(|e| json_err(e.to_string()))?;
+    let tok = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| json_err(e.to_string()))?;
     let cfg = read_json_opt(&dir.join("tokenizer_config.json"))?.unwrap_or(Json::Null);
     let legacy_map = read_json_opt(&dir.join("special_tokens_map.json"))?.unwrap_or(Json::Null);
 

@@ -31,6 +31,7 @@ pub struct ChatArgs {
 const CHAT_GPU_CONTEXT: usize = 32768;
 
 pub fn run(a: ChatArgs) -> Result<()> {
+    super::flags::check_sampling(&a.sampling)?;
     let sampler = a.sampling.params()?;
     let m = a.model.load()?;
     let tok = m.tokenizer()?;
