@@ -141,7 +141,8 @@ impl ModelConfig {
             "llama" => Family::Llama,
             "gemma3" => Family::Gemma3,
             other => bail!(
-                "unsupported architecture '{other}' in GGUF (supported in GGUF: llama, gemma3)"
+                "unsupported architecture '{}' in GGUF (supported in GGUF: llama, gemma3)",
+                trellm_formats::quote(other)
             ),
         };
         let key = |k: &str| format!("{arch}.{k}");
@@ -193,7 +194,10 @@ impl ModelConfig {
         let linear_scale = match g.get_str(&key("rope.scaling.type")) {
             Some("linear") => 1.0 / g.get_f32(&key("rope.scaling.factor")).unwrap_or(1.0),
             Some("none") | None => 1.0,
-            Some(other) => bail!("unsupported rope scaling '{other}' in GGUF"),
+            Some(other) => bail!(
+                "unsupported rope scaling '{}' in GGUF",
+                trellm_formats::quote(other)
+            ),
         };
         let dims = Dims {
             hidden,

@@ -194,7 +194,8 @@ pub(crate) fn from_hf(config: &Value, generation: Option<&Value>) -> Result<Mode
         "granite" => granite(&f, ids)?,
         "starcoder2" => starcoder2(&f, ids)?,
         other => bail!(
-            "unsupported model_type '{other}' (supported: {})",
+            "unsupported model_type '{}' (supported: {})",
+            trellm_formats::quote(other),
             SUPPORTED_FAMILIES.join(", ")
         ),
     };
@@ -210,7 +211,10 @@ fn quant_method(config: &Value) -> Result<Option<&str>> {
     };
     match q.get("quant_method").and_then(|m| m.as_str()) {
         Some("exl3") => Ok(Some("exl3")),
-        Some(other) => bail!("unsupported quantization method '{other}' (supported: exl3)"),
+        Some(other) => bail!(
+            "unsupported quantization method '{}' (supported: exl3)",
+            trellm_formats::quote(other)
+        ),
         None => bail!("config.json has a quantization_config without a quant_method"),
     }
 }

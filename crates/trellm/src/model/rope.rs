@@ -267,7 +267,8 @@ impl Rope {
                 }
             }
             (other, Some(_)) => bail!(
-                "unsupported rope_scaling type '{other}' (supported: {})",
+                "unsupported rope_scaling type '{}' (supported: {})",
+                trellm_formats::quote(other),
                 ROPE_TYPES.join(", ")
             ),
         };

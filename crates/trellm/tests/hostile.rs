@@ -1,0 +1,698 @@
+//! Hostile files and careless flags, one class at a time: impossible values in real files,
+//! error messages that quote files, flags checked before loading, closed and full outputs,
+//! paths out of the model folder, and the everyday CLI habits.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+
+use common::*;
+
+fn tmp() -> tempfile::TempDir {
+    tempfile::tempdir().unwrap()
+}
+
+/// Where the value of metadata `key` starts in a GGUF file (after its key and type).
+fn gguf_value_pos(bytes: &[u8], key: &str) -> usize {
+    let l = common::mutate::gguf_layout(bytes);
+    for (start, _) in l.kv {
+        let n = u64::from_le_bytes(bytes[start..start + 8].try_into().unwrap()) as usize;
+        if &bytes[start + 8..start + 8 + n] == key.as_bytes() {
+            return start + 8 + n + 4;
+        }
+    }
+    panic!("no key {key}");
+}
+
+/// A copy of the real SmolLM2 file that tests patch in place and restore.
+struct Patchable {
+    _dir: tempfile::TempDir,
+    path: PathBuf,
+    bytes: Vec<u8>,
+}
+
+impl Patchable {
+    fn smollm2() -> Self {
+        let dir = tmp();
+        let path = dir.path().join("smollm2.gguf");
+        let src = model_path("smollm2-135m-instruct");
+        std::fs::copy(&src, &path).unwrap();
+        Patchable {
+            _dir: dir,
+            path,
+            bytes: std::fs::read(&src).unwrap(),
+        }
+    }
+    /// Runs `check` with `new` written over the value of `key`, then restores the file.
+    fn with(&self, key: &str, new: &[u8], check: impl FnOnce(&str)) {
+        let pos = gguf_value_pos(&self.bytes, key);
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&self.path)
+            .unwrap();
+        f.write_all_at(new, pos as u64).unwrap();
+        check(self.path.to_str().unwrap());
+        f.write_all_at(&self.bytes[pos..pos + new.len()], pos as u64)
+            .unwrap();
+    }
+}
+
+#[test]
+fn impossible_values_in_the_real_gguf_are_errors() {
+    let p = Patchable::smollm2();
+    let cases: &[(&str, Vec<u8>, &str)] = &[
+        (
+            "llama.attention.layer_norm_rms_epsilon",
+            (-1e-5f32).to_le_bytes().to_vec(),
+            "epsilon",
+        ),
+        (
+            "llama.attention.layer_norm_rms_epsilon",
+            f32::NAN.to_le_bytes().to_vec(),
+            "epsilon",
+        ),
+        (
+            "llama.attention.layer_norm_rms_epsilon",
+            0f32.to_le_bytes().to_vec(),
+            "epsilon",
+        ),
+        (
+            "llama.rope.freq_base",
+            0f32.to_le_bytes().to_vec(),
+            "RoPE base",
+        ),
+        (
+            "llama.rope.freq_base",
+            f32::INFINITY.to_le_bytes().to_vec(),
+            "RoPE base",
+        ),
+        (
+            "llama.rope.freq_base",
+            (-10000f32).to_le_bytes().to_vec(),
+            "RoPE base",
+        ),
+        (
+            "llama.block_count",
+            u32::MAX.to_le_bytes().to_vec(),
+            "block_count",
+        ),
+        (
+            "llama.block_count",
+            0u32.to_le_bytes().to_vec(),
+            "block_count",
+        ),
+        (
+            "llama.attention.head_count",
+            0u32.to_le_bytes().to_vec(),
+            "heads",
+        ),
+        (
+            "llama.attention.head_count",
+            7u32.to_le_bytes().to_vec(),
+            "heads",
+        ),
+        (
+            "llama.attention.head_count_kv",
+            0u32.to_le_bytes().to_vec(),
+            "heads",
+        ),
+        (
+            "llama.context_length",
+            0u32.to_le_bytes().to_vec(),
+            "context",
+        ),
+        (
+            "llama.embedding_length",
+            (1u32 << 30).to_le_bytes().to_vec(),
+            "hidden size",
+        ),
+        (
+            "llama.rope.dimension_count",
+            65u32.to_le_bytes().to_vec(),
+            "RoPE rotates",
+        ),
+        (
+            "llama.rope.dimension_count",
+            1000u32.to_le_bytes().to_vec(),
+            "RoPE rotates",
+        ),
+        (
+            "llama.vocab_size",
+            u32::MAX.to_le_bytes().to_vec(),
+            "vocabulary",
+        ),
+        (
+            "tokenizer.ggml.bos_token_id",
+            49152u32.to_le_bytes().to_vec(),
+            "BOS",
+        ),
+    ];
+    for (key, value, needle) in cases {
+        p.with(key, value, |m| {
+            assert_clean_error(
+                &["generate", "--model", m, "--prompt-ids", "1,2", "-m", "2"],
+                needle,
+            )
+        });
+    }
+    // The file itself is fine.
+    let (code, _, err) = run(&[
+        "generate",
+        "--model",
+        p.path.to_str().unwrap(),
+        "--prompt-ids",
+        "1,2",
+        "-m",
+        "2",
+        "-q",
+    ]);
+    assert_eq!(code, 0, "{err}");
+}
+
+/// The tiny llama folder with `edit` applied to its config.json.
+fn tiny_with(edit: impl FnOnce(&mut serde_json::Value)) -> tempfile::TempDir {
+    let d = tmp();
+    write_tiny_llama(d.path(), "llama", 64);
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(d.path().join("config.json")).unwrap())
+            .unwrap();
+    edit(&mut cfg);
+    std::fs::write(d.path().join("config.json"), cfg.to_string()).unwrap();
+    d
+}
+
+#[test]
+fn impossible_config_json_values_are_errors() {
+    use serde_json::json;
+    let cases: Vec<(&str, serde_json::Value, &str)> = vec![
+        ("rms_norm_eps", json!(-1e-5), "epsilon"),
+        ("rms_norm_eps", json!(0), "epsilon"),
+        ("rms_norm_eps", json!(3.0), "epsilon"),
+        ("rope_theta", json!(0), "RoPE base"),
+        ("rope_theta", json!(-5.0), "RoPE base"),
+        (
+            "rope_scaling",
+            json!({"type": "linear", "factor": 0.0}),
+            "position scale",
+        ),
+        (
+            "rope_scaling",
+            json!({"type": "dynamic", "factor": -2.0}),
+            "factor",
+        ),
+        (
+            "rope_scaling",
+            json!({"type": "rocket", "factor": 2.0}),
+            "rope_scaling type",
+        ),
+        ("num_hidden_layers", json!(1u64 << 50), "layers"),
+        ("num_hidden_layers", json!(0), "layers"),
+        ("head_dim", json!(1u64 << 40), "head dimension"),
+        ("vocab_size", json!(0), "vocabulary"),
+        ("max_position_embeddings", json!(0), "context"),
+        // (its head dimension, hidden / heads, is refused first)
+        ("hidden_size", json!(1u64 << 40), "head dimension"),
+        ("intermediate_size", json!(1u64 << 40), "intermediate size"),
+        ("num_key_value_heads", json!(3), "multiple"),
+    ];
+    for (key, value, needle) in cases {
+        let d = tiny_with(|c| c[key] = value.clone());
+        assert_clean_error(
+            &[
+                "generate",
+                "--model",
+                d.path().to_str().unwrap(),
+                "--prompt-ids",
+                "1,2",
+            ],
+            needle,
+        );
+    }
+    // A sliding window of zero positions.
+    let d = tiny_with(|c| {
+        c["layer_types"] = json!(["sliding_attention", "full_attention"]);
+        c["sliding_window"] = json!(0);
+    });
+    assert_clean_error(
+        &[
+            "generate",
+            "--model",
+            d.path().to_str().unwrap(),
+            "--prompt-ids",
+            "1",
+        ],
+        "sliding window",
+    );
+}
+
+/// Asserts one error line, under 500 characters, without control characters.
+fn assert_bounded_error(args: &[&str]) -> String {
+    let (code, _, err) = run(args);
+    assert_ne!(code, 0);
+    let lines: Vec<&str> = err.lines().collect();
+    assert_eq!(lines.len(), 1, "{err:.1000}");
+    assert!(lines[0].chars().count() < 500, "{} chars", lines[0].len());
+    assert!(!lines[0].chars().any(|c| c.is_control()), "{:?}", lines[0]);
+    lines[0].to_string()
+}
+
+#[test]
+fn errors_quoting_files_are_bounded_and_escaped() {
+    let d = tmp();
+    let hostile = format!(
+        "\u{1b}[2J\u{1b}]0;owned\u{7}{}\u{202e}",
+        "A".repeat(100_000)
+    );
+    // An architecture name.
+    let p = d.path().join("arch.gguf");
+    GgufWriter::new()
+        .str("general.architecture", &hostile)
+        .write(&p);
+    let line = assert_bounded_error(&[
+        "generate",
+        "--model",
+        p.to_str().unwrap(),
+        "--prompt-ids",
+        "1",
+    ]);
+    assert!(
+        line.contains("unsupported architecture '\\u{1b}[2J"),
+        "{line}"
+    );
+    // A tensor name, with an unknown type.
+    let p = d.path().join("tensor.gguf");
+    GgufWriter::new()
+        .str("general.architecture", "llama")
+        .tensor(&hostile, &[32], 99, vec![0; 32])
+        .write(&p);
+    assert_bounded_error(&[
+        "generate",
+        "--model",
+        p.to_str().unwrap(),
+        "--prompt-ids",
+        "1",
+    ]);
+    // A model_type in config.json.
+    let dir = tiny_with(|c| c["model_type"] = hostile.clone().into());
+    let line = assert_bounded_error(&[
+        "generate",
+        "--model",
+        dir.path().to_str().unwrap(),
+        "--prompt-ids",
+        "1",
+    ]);
+    assert!(line.contains("unsupported model_type"), "{line}");
+    // A tokenizer.json whose syntax error sits in the decoder (the tokenizers crate panicked on
+    // it before the file was checked as JSON first; found by the fuzz target).
+    let bad = std::fs::read(
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/fuzz/regressions/tokenizer/0-syntax-error-in-decoder.json"),
+    )
+    .unwrap();
+    let dir = tiny_with(|_| {});
+    std::fs::write(dir.path().join("tokenizer.json"), bad).unwrap();
+    let line = assert_bounded_error(&[
+        "generate",
+        "--model",
+        dir.path().to_str().unwrap(),
+        "--prompt",
+        "hi",
+    ]);
+    assert!(line.contains("tokenizer.json"), "{line}");
+}
+
+#[test]
+fn flags_are_checked_before_anything_is_fetched() {
+    // A repo id that would go to the hub (unreachable here): each bad flag must be reported
+    // instead, at once.
+    let m = "nobody-at-all/no-such-model";
+    let cases: &[(&[&str], &str)] = &[
+        (&["--temp", "-1"], "--temp"),
+        (&["--temp", "NaN"], "--temp"),
+        (&["--top-p", "2"], "--top-p"),
+        (&["--min-p", "inf"], "--min-p"),
+        (
+            &["--min-tokens-to-keep", "100000000"],
+            "--min-tokens-to-keep",
+        ),
+        (&["--top-k", "99999999999"], "--top-k"),
+        (&["--repetition-penalty", "NaN"], "--repetition-penalty"),
+        (&["--presence-penalty", "inf"], "--presence-penalty"),
+        (&["--logit-bias", "{\"1\": NaN}"], "--logit-bias"),
+        (&["--logit-bias", "{\"1\": \"x\"}"], "--logit-bias"),
+        (&["--json", "--logprobs", "99999999999"], "--logprobs"),
+        (&["--threads", "0"], "--threads"),
+        (&["--max-tokens", "99999999999999999999999"], "--max-tokens"),
+    ];
+    for (extra, needle) in cases {
+        let mut args = vec!["generate", "--model", m, "--prompt", "hi"];
+        args.extend_from_slice(extra);
+        assert_clean_error(&args, needle);
+    }
+    let bench: &[(&[&str], &str)] = &[
+        (&["--n-prompt", "1000000000000"], "--n-prompt"),
+        (&["--n-gen", "18446744073709551615"], "--n-gen"),
+        (&["--repetitions", "0"], "--repetitions"),
+        (&["--repetitions", "100000000"], "--repetitions"),
+    ];
+    for (extra, needle) in bench {
+        let mut args = vec!["bench", "--model", m];
+        args.extend_from_slice(extra);
+        assert_clean_error(&args, needle);
+    }
+    let mut args = vec!["chat", "--model", m, "--top-p", "-3"];
+    args.truncate(5);
+    assert_clean_error(&args, "--top-p");
+}
+
+#[test]
+fn thread_counts_are_capped_to_the_machine_and_sizes_do_not_overflow() {
+    let d = tmp();
+    write_tiny_llama(d.path(), "llama", 32);
+    let m = d.path().to_str().unwrap();
+    let (code, out, err) = run(&[
+        "generate",
+        "--model",
+        m,
+        "--prompt-ids",
+        "1,2",
+        "--threads",
+        "1000000",
+        "--max-tokens",
+        &usize::MAX.to_string(),
+        "--json",
+        "-q",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("--threads 1000000 is more than"), "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    // Generation ends at the 32-position context, not at the max tokens.
+    assert_eq!(v["finish_reason"], "context", "{out}");
+    assert_eq!(v["ids"].as_array().unwrap().len(), 31);
+}
+
+#[test]
+fn closed_stdout_ends_quietly() {
+    let mut child = trellm()
+        .args([
+            "generate",
+            "--prompt",
+            "Tell me a long story about a dragon.",
+            "--max-tokens",
+            "300",
+            "-q",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = child.stdout.take().unwrap();
+    let mut one = [0u8; 1];
+    out.read_exact(&mut one).unwrap();
+    drop(out);
+    let t0 = std::time::Instant::now();
+    let status = child.wait().unwrap();
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    // As `cat` into `head -c1`: no message; success (trellm ignores SIGPIPE and stops).
+    assert!(err.is_empty(), "{err}");
+    assert_eq!(status.code(), Some(0));
+    // It stopped rather than generating the 300 tokens.
+    assert!(t0.elapsed().as_secs() < 20);
+}
+
+#[test]
+fn write_errors_are_errors() {
+    let dev_full = || {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/full")
+            .unwrap()
+    };
+    let cases: &[&[&str]] = &[
+        &["generate", "--prompt", "Hi", "--max-tokens", "5", "-q"],
+        &[
+            "generate",
+            "--prompt-ids",
+            "1,2",
+            "--max-tokens",
+            "2",
+            "--json",
+            "-q",
+        ],
+        &["info", "smollm2-135m-instruct"],
+        &["list"],
+        &["completions", "bash"],
+        &["pull", "smollm2-135m-instruct"],
+    ];
+    for args in cases {
+        let out = trellm().args(*args).stdout(dev_full()).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_ne!(
+            out.status.code(),
+            Some(0),
+            "{args:?} succeeded on a full disk"
+        );
+        assert!(err.contains("cannot write the output"), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn index_shards_stay_inside_the_model_folder() {
+    let d = tmp();
+    let dir = d.path().join("m");
+    write_tiny_llama(&dir, "llama", 64);
+    // A real shard outside the folder, which the index points at.
+    std::fs::copy(
+        dir.join("model.safetensors"),
+        d.path().join("outside.safetensors"),
+    )
+    .unwrap();
+    for name in [
+        "../outside.safetensors",
+        "/etc/passwd",
+        "a/../../outside.safetensors",
+    ] {
+        let index = serde_json::json!({"weight_map": {"model.embed_tokens.weight": name}});
+        std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+        assert_clean_error(
+            &[
+                "generate",
+                "--model",
+                dir.to_str().unwrap(),
+                "--prompt-ids",
+                "1",
+            ],
+            "outside the model folder",
+        );
+    }
+}
+
+#[test]
+fn local_looking_paths_that_do_not_exist_are_not_hub_lookups() {
+    for p in [
+        "./nope.gguf",
+        "/no/such/folder",
+        "models/x.gguf",
+        "~/m.safetensors",
+    ] {
+        assert_clean_error(
+            &["generate", "--model", p, "--prompt", "hi"],
+            "no such file or folder",
+        );
+        assert_clean_error(&["info", p], "no such file or folder");
+    }
+}
+
+/// A `TRELLM_HOME` holding one Hugging Face repo, `test-owner/broken`, whose GGUF is cut short.
+fn home_with_broken_repo() -> tempfile::TempDir {
+    let home = tmp();
+    let dir = home.path().join("models/hf/test-owner--broken");
+    std::fs::create_dir_all(&dir).unwrap();
+    let real = std::fs::read(model_path("smollm2-135m-instruct")).unwrap();
+    let cut = &real[..1 << 20];
+    std::fs::write(dir.join("m.gguf"), cut).unwrap();
+    let meta = serde_json::json!({
+        "repo": "test-owner/broken",
+        "files": {"m.gguf": {"size": cut.len(), "sha256": null}},
+        "default": "m.gguf",
+    });
+    std::fs::write(dir.join(".trellm-repo.json"), meta.to_string()).unwrap();
+    home
+}
+
+#[test]
+fn a_cached_model_that_does_not_load_says_how_to_fetch_it_again() {
+    let home = home_with_broken_repo();
+    let with_home = |args: &[&str]| {
+        let out = trellm()
+            .env("TRELLM_HOME", home.path())
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, _, err) = with_home(&["generate", "--model", "test-owner/broken", "--prompt", "hi"]);
+    assert_eq!(code, Some(1));
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.contains("`trellm rm test-owner/broken` then `trellm pull test-owner/broken`"),
+        "{err}"
+    );
+    assert!(err.contains("m.gguf: corrupt GGUF"), "{err}");
+    // list shows it, rm removes it, a second rm says it is gone.
+    let (code, out, _) = with_home(&["list"]);
+    assert_eq!(code, Some(0));
+    assert!(out.contains("test-owner/broken"), "{out}");
+    let (code, _, err) = with_home(&["rm", "test-owner/broken"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(!home.path().join("models/hf/test-owner--broken").exists());
+    let (code, out, _) = with_home(&["list", "--json"]);
+    assert_eq!(code, Some(0));
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["cached"].as_array().unwrap().len(), 0, "{out}");
+    let (code, _, err) = with_home(&["rm", "test-owner/broken"]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("not in the cache"), "{err}");
+}
+
+fn json_run(args: &[&str], stdin: Option<&str>) -> serde_json::Value {
+    let mut child = trellm()
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut input = child.stdin.take().unwrap();
+    if let Some(s) = stdin {
+        input.write_all(s.as_bytes()).unwrap();
+    }
+    drop(input);
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn prompt_from_stdin_or_a_file_and_json_results() {
+    let d = tmp();
+    let f = d.path().join("prompt.txt");
+    std::fs::write(&f, "What is the capital of France?").unwrap();
+    let base = ["generate", "--json", "-q"];
+    let with = |extra: &[&str], stdin| {
+        let mut a = base.to_vec();
+        a.extend_from_slice(extra);
+        json_run(&a, stdin)
+    };
+    let direct = with(
+        &["--prompt", "What is the capital of France?", "-m", "3"],
+        None,
+    );
+    let piped = with(
+        &["--prompt", "-", "-m", "3"],
+        Some("What is the capital of France?"),
+    );
+    let file = with(&["--file", f.to_str().unwrap(), "-m", "3"], None);
+    assert_eq!(direct["prompt_ids"], piped["prompt_ids"]);
+    assert_eq!(direct["prompt_ids"], file["prompt_ids"]);
+    assert_eq!(direct["ids"], file["ids"]);
+    assert_eq!(direct["finish_reason"], "length");
+    let t = &direct["timings"];
+    assert_eq!(
+        t["prompt_n"],
+        direct["prompt_ids"].as_array().unwrap().len()
+    );
+    assert_eq!(t["predicted_n"], 3);
+    assert!(t["prompt_ms"].as_f64().unwrap() > 0.0);
+    assert!(t["predicted_per_second"].as_f64().unwrap() > 0.0);
+    // A reply that ends by itself says "stop".
+    let done = with(&["--prompt", "Say just: yes", "--max-tokens", "200"], None);
+    assert_eq!(done["finish_reason"], "stop", "{done}");
+    // Unreadable or oversized prompt files are one clean error.
+    assert_clean_error(&["generate", "--file", "/no/such/prompt.txt"], "prompt.txt");
+    let (code, _, err) = run(&["generate", "--file", f.to_str().unwrap(), "--prompt", "x"]);
+    assert_eq!(code, 2, "{err}");
+}
+
+#[test]
+fn flags_without_effect_warn() {
+    let (code, _, err) = run(&[
+        "generate",
+        "--prompt",
+        "The",
+        "--raw",
+        "--system",
+        "Be terse.",
+        "-m",
+        "1",
+        "-q",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("--system has no effect"), "{err}");
+    let (_, _, err) = run(&["generate", "--prompt", "The", "-m", "1", "-q"]);
+    assert!(!err.contains("warning"), "{err}");
+}
+
+#[test]
+fn info_version_and_completions() {
+    let (code, out, err) = run(&["info", "smollm2-135m-instruct"]);
+    assert_eq!(code, 0, "{err}");
+    for want in [
+        "architecture   llama",
+        "parameters     134.5M",
+        "Q4_1 x210",
+        "context length 8192",
+        "layers         30  hidden 576  heads 9 (kv 3)",
+        "chat template\n{% for message in messages %}",
+    ] {
+        assert!(out.contains(want), "missing {want:?} in:\n{out}");
+    }
+    let (code, out, err) = run(&["info", "gemma-3-270m", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["architecture"], "gemma3");
+    assert_eq!(v["context_length"], 32768);
+    assert_eq!(v["supported"], true);
+    assert_eq!(v["head_dim"], 256);
+    assert!(v["tensor_types"]["Q4_K"]["tensors"].as_u64().unwrap() > 0);
+    // An HF folder.
+    let d = tmp();
+    write_tiny_llama(d.path(), "llama", 64);
+    let (code, out, err) = run(&["info", d.path().to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("format         safetensors"), "{out}");
+    assert!(out.contains("context length 64"), "{out}");
+    assert!(out.contains("F32 x"), "{out}");
+
+    let (code, out, _) = run(&["--version"]);
+    assert_eq!(code, 0);
+    assert_eq!(out.trim(), format!("trellm {}", env!("CARGO_PKG_VERSION")));
+    for (shell, marker) in [
+        ("bash", "_trellm()"),
+        ("zsh", "#compdef trellm"),
+        ("fish", "complete -c trellm"),
+    ] {
+        let (code, out, err) = run(&["completions", shell]);
+        assert_eq!(code, 0, "{err}");
+        assert!(out.contains(marker), "{shell}: {out:.300}");
+        assert!(out.contains("generate"), "{shell}");
+    }
+}
