@@ -11,6 +11,11 @@ use crate::{corrupt, open_mmap, quote, FormatError, Result};
 const MAGIC: &[u8; 4] = b"GGUF";
 const DEFAULT_ALIGNMENT: u64 = 32;
 
+/// Memory the metadata and tensor table may take once parsed. Released models need a few tens of
+/// MiB at most (a 262k-token vocabulary with its scores is about 10 MiB); a corrupt length that
+/// points at the rest of the file must not copy the file into memory.
+pub const MAX_METADATA_MEMORY: usize = 128 << 20;
+
 /// One metadata value.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Value {
@@ -219,6 +224,8 @@ impl std::fmt::Debug for Gguf {
 struct Cursor<'a> {
     buf: &'a [u8],
     pos: usize,
+    /// What the parsed values may still take in memory.
+    mem_left: usize,
 }
 
 impl<'a> Cursor<'a> {
@@ -258,8 +265,26 @@ impl<'a> Cursor<'a> {
         }
         Ok(n as usize)
     }
+    /// Counts `bytes` of parsed values against [`MAX_METADATA_MEMORY`], before they are
+    /// allocated.
+    fn charge(&mut self, bytes: usize) -> Result<()> {
+        self.mem_left = self.mem_left.checked_sub(bytes).ok_or_else(|| {
+            corrupt(format!(
+                "corrupt GGUF: its metadata would take more than {} MiB of memory (at byte {})",
+                MAX_METADATA_MEMORY >> 20,
+                self.pos
+            ))
+        })?;
+        Ok(())
+    }
     fn string(&mut self, what: &str) -> Result<String> {
+        self.charge(std::mem::size_of::<String>())?;
+        self.string_data(what)
+    }
+    /// A string whose `String` itself is already charged (an array element).
+    fn string_data(&mut self, what: &str) -> Result<String> {
         let n = self.len(what, 1)?;
+        self.charge(n)?;
         let bytes = self.take(n, what)?;
         // Token strings in some vocabularies are not valid UTF-8 on their own; keep them lossless
         // enough for lookup rather than refusing the whole file.
@@ -321,6 +346,16 @@ impl Cursor<'_> {
             }
         };
         let n = self.len("array length", min)?;
+        // The vector before it is reserved; strings charge their text as they are read.
+        let elem_mem = match elem {
+            0 | 1 | 7 => 1,
+            2 | 3 => 2,
+            4..=6 => 4,
+            8 => std::mem::size_of::<String>(),
+            9 => std::mem::size_of::<Array>(),
+            _ => 8,
+        };
+        self.charge(n.saturating_mul(elem_mem))?;
         let w = "metadata array";
         macro_rules! nums {
             ($variant:ident, $t:ty) => {{
@@ -345,7 +380,7 @@ impl Cursor<'_> {
             8 => {
                 let mut v = Vec::with_capacity(n);
                 for _ in 0..n {
-                    v.push(self.string("metadata string")?);
+                    v.push(self.string_data("metadata string")?);
                 }
                 Array::Str(v)
             }
@@ -377,7 +412,11 @@ impl Gguf {
 
     pub fn parse(map: Arc<memmap2::Mmap>) -> Result<Self> {
         let buf: &[u8] = &map;
-        let mut c = Cursor { buf, pos: 0 };
+        let mut c = Cursor {
+            buf,
+            pos: 0,
+            mem_left: MAX_METADATA_MEMORY,
+        };
         if c.take(4, "the magic")
             .map_err(|_| corrupt("not a GGUF file (too short)"))?
             != MAGIC
@@ -392,6 +431,8 @@ impl Gguf {
         }
         let n_tensors = c.len("tensor count", 24)?;
         let n_kv = c.len("metadata count", 12)?;
+        // Each entry's map node and value.
+        c.charge(n_kv.saturating_mul(2 * std::mem::size_of::<Value>()))?;
         let mut metadata = BTreeMap::new();
         for _ in 0..n_kv {
             let key = c.string("metadata key")?;
@@ -399,9 +440,12 @@ impl Gguf {
             let v = c.value(ty, 0)?;
             metadata.insert(key, v);
         }
+        c.charge(n_tensors.saturating_mul(2 * std::mem::size_of::<TensorInfo>()))?;
         let mut raw = Vec::with_capacity(n_tensors);
         for _ in 0..n_tensors {
             let name = c.string("tensor name")?;
+            // The by-name index holds a second copy.
+            c.charge(name.len())?;
             let n_dims = c.u32("tensor dims")? as usize;
             if n_dims > 4 {
                 return Err(corrupt(format!(

@@ -185,6 +185,51 @@ fn tiny_with(edit: impl FnOnce(&mut serde_json::Value)) -> tempfile::TempDir {
 }
 
 #[test]
+fn metadata_lengths_that_claim_the_file_are_refused_before_allocating() {
+    // A 300 MB sparse file whose metadata claims most of it as one string, one byte array, one
+    // string array: each length fits in the file, but copying it would double the memory.
+    let d = tmp();
+    for (i, (ty, elem)) in [(8u32, None), (9, Some(0u32)), (9, Some(8))]
+        .into_iter()
+        .enumerate()
+    {
+        let p = d.path().join(format!("big{i}.gguf"));
+        let mut b = Vec::new();
+        b.extend(b"GGUF");
+        b.extend(3u32.to_le_bytes());
+        b.extend(0u64.to_le_bytes());
+        b.extend(1u64.to_le_bytes());
+        b.extend(1u64.to_le_bytes());
+        b.push(b'k');
+        b.extend(ty.to_le_bytes());
+        if let Some(e) = elem {
+            b.extend(e.to_le_bytes());
+        }
+        let n: u64 = if elem == Some(8) {
+            30_000_000
+        } else {
+            250_000_000
+        };
+        b.extend(n.to_le_bytes());
+        std::fs::write(&p, &b).unwrap();
+        let f = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
+        f.set_len(300_000_000).unwrap();
+        let t0 = std::time::Instant::now();
+        assert_clean_error(
+            &[
+                "generate",
+                "--model",
+                p.to_str().unwrap(),
+                "--prompt-ids",
+                "1",
+            ],
+            "more than 128 MiB of memory",
+        );
+        assert!(t0.elapsed().as_secs() < 5);
+    }
+}
+
+#[test]
 fn impossible_config_json_values_are_errors() {
     use serde_json::json;
     let cases: Vec<(&str, serde_json::Value, &str)> = vec![

@@ -174,7 +174,7 @@ fn mutants(alias: &str, default_n: usize, kv_bytes_per_token: u64, seed: u64) {
             let old = real[pos..pos + w].to_vec();
             let new = edit(&mut rng, &old);
             file.write_all_at(&new, pos as u64).unwrap();
-            edits.push((pos, old));
+            edits.push((pos, old, new));
         }
         let mut args: Vec<String> = ["generate", "--model", &model, "--threads", "2", "-q"]
             .iter()
@@ -188,7 +188,7 @@ fn mutants(alias: &str, default_n: usize, kv_bytes_per_token: u64, seed: u64) {
         }
         let outcome = run_limited(&args, limit);
         // Undo, last edit first (they may overlap).
-        for (pos, old) in edits.iter().rev() {
+        for (pos, old, _) in edits.iter().rev() {
             file.write_all_at(old, *pos as u64).unwrap();
         }
         let e = by_region.entry(region).or_default();
@@ -212,7 +212,14 @@ fn mutants(alias: &str, default_n: usize, kv_bytes_per_token: u64, seed: u64) {
                     .collect();
                 *reasons.entry(key).or_default() += 1;
             }
-            Outcome::Bad(why) => bad.push(format!("mutant {i} ({region}): {why}")),
+            Outcome::Bad(why) => {
+                // Enough to rebuild the copy: each edit's offset and new bytes.
+                let e: Vec<String> = edits
+                    .iter()
+                    .map(|(p, _, new)| format!("at {p}: {new:02x?}"))
+                    .collect();
+                bad.push(format!("mutant {i} ({region}; {}): {why}", e.join(", ")))
+            }
         }
     }
     eprintln!(
@@ -267,4 +274,35 @@ fn mutated_smollm2() {
 fn mutated_gemma3() {
     // 18 layers x K and V x 1 head x 256 x f32.
     mutants("gemma-3-270m", 150, 18 * 2 * 256 * 4, 2);
+}
+
+/// Mutant 145 of the first gemma run (seed 2): a metadata key's bytes and a later length edited,
+/// so that the parser read the rest of the file as metadata and copied 256 MiB of it (beyond the
+/// limit; it aborted). Metadata memory is now bounded, and the copy is refused at once.
+#[test]
+fn regression_gemma3_metadata_reading_the_whole_file() {
+    let src = model_path("gemma-3-270m");
+    let dir = tempfile::tempdir().unwrap();
+    let copy = dir.path().join("m145.gguf");
+    std::fs::copy(&src, &copy).unwrap();
+    let f = std::fs::OpenOptions::new().write(true).open(&copy).unwrap();
+    f.write_all_at(&[8, 0, 0, 0, 0, 0, 0, 0], 6511008).unwrap();
+    f.write_all_at(&[0xbd, 0x37, 0x86, 0xb5, 0x70, 0x65, 0x2e, 0x66], 727)
+        .unwrap();
+    let len = std::fs::metadata(&copy).unwrap().len();
+    let args: Vec<String> = [
+        "generate",
+        "--model",
+        copy.to_str().unwrap(),
+        "--prompt",
+        "Hi",
+        "-q",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    match run_limited(&args, len + MARGIN) {
+        Outcome::Refused(line) => assert!(line.contains("more than 128 MiB"), "{line}"),
+        o => panic!("{o:?}"),
+    }
 }

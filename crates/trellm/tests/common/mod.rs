@@ -302,6 +302,7 @@ pub fn tiny_llama_gguf() -> Vec<u8> {
     let mut w = GgufWriter::new()
         .str("general.architecture", "llama")
         .str("general.name", "tiny")
+        .u32("general.alignment", 32)
         .u32("llama.embedding_length", h as u32)
         .u32("llama.attention.head_count", heads as u32)
         .u32("llama.attention.head_count_kv", kv as u32)
