@@ -741,3 +741,188 @@ fn info_version_and_completions() {
         assert!(out.contains("generate"), "{shell}");
     }
 }
+
+/// The tiny EXL3 llama (a real tokenizer and chat template) with a context of `ctx` positions.
+fn tiny_chat_model(ctx: usize) -> tempfile::TempDir {
+    let src =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/exl3/tiny-llama/mul1-3.0");
+    let d = tmp();
+    for e in std::fs::read_dir(&src).unwrap().flatten() {
+        std::fs::copy(e.path(), d.path().join(e.file_name())).unwrap();
+    }
+    let p = d.path().join("config.json");
+    let mut cfg: serde_json::Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+    cfg["max_position_embeddings"] = ctx.into();
+    std::fs::write(&p, cfg.to_string()).unwrap();
+    d
+}
+
+fn chat(model: &Path, extra: &[&str], input: &str) -> (i32, String, String) {
+    let mut child = trellm()
+        .args(["chat", "--model", model.to_str().unwrap()])
+        .args(extra)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(input.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn chat_takes_several_lines_and_goes_on_when_the_context_is_full() {
+    let m = tiny_chat_model(64);
+    // Several lines: continued with \ and in a """ block (the prompt becomes "..").
+    let (code, out, err) = chat(
+        m.path(),
+        &["--max-tokens", "2"],
+        "one \\\ntwo\n\"\"\"\nthree\nfour\n\"\"\"\nq\n",
+    );
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(out.matches(".. ").count(), 4, "{out}");
+    // Three messages of ~20 tokens in a 64-token context: the third drops the first exchange.
+    let msg = "the cat sat on the mat and the dog ran in the park\n";
+    let (code, _, err) = chat(m.path(), &["--max-tokens", "4"], &msg.repeat(3));
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        err.contains("no longer fits the model's context of 64 tokens"),
+        "{err}"
+    );
+    // One message larger than the context is not sent, and the session goes on.
+    let long = format!("{}\nhi\n", "the cat sat on the mat ".repeat(20));
+    let (code, _, err) = chat(m.path(), &["--max-tokens", "2"], &long);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        err.contains("more than the model's context of 64: not sent"),
+        "{err}"
+    );
+}
+
+#[test]
+fn ctrl_c_stops_the_reply_and_keeps_the_chat() {
+    let m = tiny_chat_model(2048);
+    let mut child = trellm()
+        .args([
+            "chat",
+            "--model",
+            m.path().to_str().unwrap(),
+            "--max-tokens",
+            "100000",
+        ])
+        .args(["--logit-bias", "{\"2\": -1000}"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let mut stdout = child.stdout.take().unwrap();
+    stdin.write_all(b"tell me everything\n").unwrap();
+    // Wait for the reply to stream, then press Ctrl-C.
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 64];
+    while seen.len() < 40 {
+        let n = stdout.read(&mut buf).unwrap();
+        assert!(n > 0, "chat ended early");
+        seen.extend_from_slice(&buf[..n]);
+    }
+    // SAFETY: signalling our own child.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
+    stdin.write_all(b"and again\nq\n").unwrap();
+    drop(stdin);
+    let mut rest = String::new();
+    stdout.read_to_string(&mut rest).unwrap();
+    let status = child.wait().unwrap();
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    assert_eq!(status.code(), Some(0), "{err}");
+    assert!(err.contains("[interrupted]"), "{err}");
+    // The session went on: a second prompt and reply after the interrupted one.
+    assert!(rest.matches(">> ").count() >= 2, "{rest:.500}");
+}
+
+#[test]
+fn chat_on_a_terminal_edits_lines_and_keeps_history() {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    let m = tiny_chat_model(256);
+    let home = tmp();
+    let (mut master, mut slave) = (0, 0);
+    // SAFETY: openpty fills two descriptors we then own.
+    let rc = unsafe {
+        libc::openpty(
+            &mut master,
+            &mut slave,
+            std::ptr::null_mut(),
+            std::ptr::null(),
+            std::ptr::null(),
+        )
+    };
+    assert_eq!(rc, 0);
+    // SAFETY: fresh descriptors from openpty, each owned once.
+    let (master, slave) = unsafe { (OwnedFd::from_raw_fd(master), OwnedFd::from_raw_fd(slave)) };
+    let mut child = trellm()
+        .args([
+            "chat",
+            "--model",
+            m.path().to_str().unwrap(),
+            "--max-tokens",
+            "3",
+        ])
+        .env("TRELLM_HOME", home.path())
+        .stdin(slave.try_clone().unwrap())
+        .stdout(slave.try_clone().unwrap())
+        .stderr(slave)
+        .spawn()
+        .unwrap();
+    let mut w = std::fs::File::from(master.try_clone().unwrap());
+    let mut r = std::fs::File::from(master);
+    let screen = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let s2 = screen.clone();
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = r.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            s2.lock()
+                .unwrap()
+                .push_str(&String::from_utf8_lossy(&buf[..n]));
+        }
+    });
+    let wait_for = |what: &str, count: usize| {
+        let t0 = std::time::Instant::now();
+        while screen.lock().unwrap().matches(what).count() < count {
+            assert!(
+                t0.elapsed().as_secs() < 30,
+                "no {what:?} in {:?}",
+                screen.lock().unwrap()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    };
+    wait_for(">> ", 1);
+    // "helo", left arrow, "l": the editor makes it "hello".
+    w.write_all(b"helo\x1b[Dl\r").unwrap();
+    wait_for(">> ", 2);
+    w.write_all(b"q\r").unwrap();
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{}", screen.lock().unwrap());
+    let history = std::fs::read_to_string(home.path().join("chat_history")).unwrap();
+    assert!(history.lines().any(|l| l == "hello"), "{history:?}");
+}

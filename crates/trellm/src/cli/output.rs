@@ -7,7 +7,7 @@ use anyhow::{anyhow, Result};
 
 /// Writes and flushes `s`. `Ok(true)`: written; `Ok(false)`: the reader closed the pipe, stop
 /// writing and end quietly; `Err`: the output could not be written.
-pub fn emit(w: &mut impl Write, s: &str) -> Result<bool> {
+pub fn emit(w: &mut (impl Write + ?Sized), s: &str) -> Result<bool> {
     match w.write_all(s.as_bytes()).and_then(|()| w.flush()) {
         Ok(()) => Ok(true),
         Err(e) if e.kind() == ErrorKind::BrokenPipe => Ok(false),
