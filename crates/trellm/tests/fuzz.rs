@@ -389,11 +389,13 @@ fn fuzz_safetensors_index() {
 
 #[test]
 fn fuzz_config_json() {
-    // Every family's tiny folder: its config.json is the seed, its tensors check the result.
+    // Every family's tiny folder and the EXL3 ones: its config.json is the seed, its tensors
+    // check the result.
     let dirs: Vec<PathBuf> = {
-        let mut v: Vec<PathBuf> = std::fs::read_dir(fixtures().join("tiny"))
-            .unwrap()
-            .flatten()
+        // And the EXL3 folders (trellis weights, quantization_config).
+        let mut v: Vec<PathBuf> = ["tiny", "exl3/tiny-llama"]
+            .iter()
+            .flat_map(|d| std::fs::read_dir(fixtures().join(d)).unwrap().flatten())
             .map(|e| e.path())
             .filter(|p| p.join("config.json").exists())
             .collect();

@@ -926,3 +926,35 @@ fn chat_on_a_terminal_edits_lines_and_keeps_history() {
     let history = std::fs::read_to_string(home.path().join("chat_history")).unwrap();
     assert!(history.lines().any(|l| l == "hello"), "{history:?}");
 }
+
+#[test]
+fn hostile_chat_templates_end_with_an_error() {
+    let cases = [
+        // Runs for hours without a bound on its work.
+        "{% for i in range(100000) %}{% for j in range(100000) %}{{ i }}{% endfor %}{% endfor %}",
+        // Endless recursion.
+        "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+        // A string of 10^12 characters.
+        "{{ 'xxxxxxxxxx' * 100000000000 }}",
+    ];
+    for t in cases {
+        let m = tiny_chat_model(256);
+        let p = m.path().join("tokenizer_config.json");
+        let mut cfg: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+        cfg["chat_template"] = t.into();
+        std::fs::write(&p, cfg.to_string()).unwrap();
+        let t0 = std::time::Instant::now();
+        assert_clean_error(
+            &[
+                "generate",
+                "--model",
+                m.path().to_str().unwrap(),
+                "--prompt",
+                "hi",
+            ],
+            "template",
+        );
+        assert!(t0.elapsed().as_secs() < 20, "{t}: {:?}", t0.elapsed());
+    }
+}
