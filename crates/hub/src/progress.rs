@@ -127,3 +127,25 @@ fn spawn_line_ticker(weak: indicatif::WeakProgressBar) {
         }
     });
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn progress_lines_say_bytes_rate_and_time_left() {
+        let mib = 1u64 << 20;
+        let l = progress_line(
+            "downloading x",
+            10 * mib,
+            Some(40 * mib),
+            Duration::from_secs(5),
+        );
+        assert_eq!(
+            l,
+            "trellm: downloading x: 10.0 MiB of 40.0 MiB (25%), 2.0 MiB/s, about 15 s left"
+        );
+        let l = progress_line("downloading y", 3 * mib, None, Duration::from_secs(3));
+        assert_eq!(l, "trellm: downloading y: 3.0 MiB, 1.0 MiB/s");
+    }
+}
