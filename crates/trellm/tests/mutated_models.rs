@@ -1,4 +1,5 @@
-//! `trellm generate` on hundreds of mutated copies of each default model: edits aimed at the
+//! `trellm generate` (and every fourth time `trellm info`) on hundreds of mutated copies of each
+//! default model: edits aimed at the
 //! header, the metadata, the tensor table and the tensor data. Each run must end within
 //! [`RUN_TIMEOUT`] either with exit 0 and sane output or with one error line under 500
 //! characters; never a panic, an abort, a signal or a hang. Every run is made under an
@@ -181,10 +182,12 @@ fn mutants(alias: &str, default_n: usize, kv_bytes_per_token: u64, seed: u64) {
             .map(|s| s.to_string())
             .collect();
         args.extend(["--max-tokens".into(), MAX_TOKENS.to_string()]);
-        match i % 3 {
+        match i % 4 {
             0 => args.extend(["--prompt".into(), "Hi there".into()]),
             1 => args.extend(["--prompt".into(), "The".into(), "--raw".into()]),
-            _ => args.extend(["--prompt-ids".into(), "1,2,3".into(), "--json".into()]),
+            2 => args.extend(["--prompt-ids".into(), "1,2,3".into(), "--json".into()]),
+            // `info` reads (and prints) what generate skips: names, the template.
+            _ => args = vec!["info".into(), model.clone()],
         }
         let outcome = run_limited(&args, limit);
         // Undo, last edit first (they may overlap).
