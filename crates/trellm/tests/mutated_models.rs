@@ -1,6 +1,6 @@
 //! `trellm generate` (and every fourth time `trellm info`) on hundreds of mutated copies of each
-//! default model: edits aimed at the
-//! header, the metadata, the tensor table and the tensor data. Each run must end within
+//! default model: edits aimed at the header, the metadata, the tensor table and the tensor data.
+//! Each run must end within
 //! [`RUN_TIMEOUT`] either with exit 0 and sane output or with one error line under 500
 //! characters; never a panic, an abort, a signal or a hang. Every run is made under an
 //! address-space limit of the file's size + the KV cache + [`MARGIN`], so a value in a file
