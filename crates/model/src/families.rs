@@ -7,7 +7,9 @@
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::Value;
 
-use super::config::{id_list, Activation, Dims, Family, Fields, Mlp, ModelConfig, Norm, QkNorm};
+use super::config::{
+    check_size, id_list, Activation, Dims, Family, Fields, Mlp, ModelConfig, Norm, QkNorm, LIMITS,
+};
 use super::rope::Rope;
 
 /// `model_type`s this build runs (mistral is read as llama, as mlx-lm does).
@@ -96,6 +98,8 @@ fn dims(
         // mlx-lm sets no limit; neither does the model.
         (None, None) => usize::MAX,
     };
+    // Bounded before anything is sized by them (the layer table, RoPE tables).
+    check_size("head dimension", head_dim, LIMITS.head_dim)?;
     Ok(Dims {
         hidden,
         intermediate: f.usize("intermediate_size")?,
@@ -103,7 +107,7 @@ fn dims(
         n_kv_heads,
         head_dim,
         vocab: f.usize("vocab_size")?,
-        n_layers: f.usize("num_hidden_layers")?,
+        n_layers: check_size("layers", f.usize("num_hidden_layers")?, LIMITS.layers)?,
         norm_eps,
         max_context,
         bos_id: ids.0,
@@ -190,7 +194,8 @@ pub fn from_hf(config: &Value, generation: Option<&Value>) -> Result<ModelConfig
         "granite" => granite(&f, ids)?,
         "starcoder2" => starcoder2(&f, ids)?,
         other => bail!(
-            "unsupported model_type '{other}' (supported: {})",
+            "unsupported model_type '{}' (supported: {})",
+            trellm_formats::quote(other),
             SUPPORTED_FAMILIES.join(", ")
         ),
     };
@@ -206,7 +211,10 @@ fn quant_method(config: &Value) -> Result<Option<&str>> {
     };
     match q.get("quant_method").and_then(|m| m.as_str()) {
         Some("exl3") => Ok(Some("exl3")),
-        Some(other) => bail!("unsupported quantization method '{other}' (supported: exl3)"),
+        Some(other) => bail!(
+            "unsupported quantization method '{}' (supported: exl3)",
+            trellm_formats::quote(other)
+        ),
         None => bail!("config.json has a quantization_config without a quant_method"),
     }
 }
@@ -369,9 +377,9 @@ fn gemma3_hf(f: &Fields, ids: (Option<u32>, Vec<u32>)) -> Result<ModelConfig> {
         intermediate: get("intermediate_size", 6912)?,
         n_heads,
         n_kv_heads: get("num_key_value_heads", 1)?,
-        head_dim: get("head_dim", 256)?,
+        head_dim: check_size("head dimension", get("head_dim", 256)?, LIMITS.head_dim)?,
         vocab: get("vocab_size", 262144)?,
-        n_layers: get("num_hidden_layers", 26)?,
+        n_layers: check_size("layers", get("num_hidden_layers", 26)?, LIMITS.layers)?,
         norm_eps: f.opt_f64("rms_norm_eps")?.unwrap_or(1e-6) as f32,
         max_context: get("max_position_embeddings", 32768)?,
         bos_id: ids.0,
@@ -442,6 +450,9 @@ fn phi3(f: &Fields, ids: (Option<u32>, Vec<u32>)) -> Result<ModelConfig> {
         ids,
     )?;
     let partial = f.opt_f64("partial_rotary_factor")?.unwrap_or(1.0);
+    if !(partial > 0.0 && partial <= 1.0) {
+        bail!("config.json field partial_rotary_factor must be in (0, 1], got {partial}");
+    }
     let r = Rope::phi3(
         (d.head_dim as f64 * partial) as usize,
         f.opt_f64("rope_theta")?.unwrap_or(10000.0),

@@ -267,7 +267,8 @@ impl Rope {
                 }
             }
             (other, Some(_)) => bail!(
-                "unsupported rope_scaling type '{other}' (supported: {})",
+                "unsupported rope_scaling type '{}' (supported: {})",
+                trellm_formats::quote(other),
                 ROPE_TYPES.join(", ")
             ),
         };
@@ -343,6 +344,60 @@ impl Rope {
             // mlx-lm warns and runs without scaling.
             _ => Ok(Rope::plain(dims, base as f32, traditional, 1.0)),
         }
+    }
+
+    /// Checks what a config file could have made impossible: the rotated dimensions (even, within
+    /// the head), the base, scales and periods (finite and positive; a period may be infinite,
+    /// which leaves its pair unrotated).
+    pub fn validate(&self, head_dim: usize) -> Result<()> {
+        let bad = |what: &str, v: f64| anyhow!("RoPE {what} must be finite and positive, got {v}");
+        if self.dims == 0 || !self.dims.is_multiple_of(2) || self.dims > head_dim {
+            bail!(
+                "RoPE rotates {} dimensions of a {head_dim}-dimensional head (must be even, positive, at most the head)",
+                self.dims
+            );
+        }
+        let pos = |v: f64| v.is_finite() && v > 0.0;
+        if !pos(self.position_scale as f64) {
+            return Err(bad("position scale", self.position_scale as f64));
+        }
+        if let Some(s) = self.input_scale {
+            if !pos(s as f64) {
+                return Err(bad("input scale (mscale)", s as f64));
+            }
+        }
+        match &self.freqs {
+            Freqs::Base(b) if !pos(*b as f64) => return Err(bad("base (rope_theta)", *b as f64)),
+            Freqs::Table(t) => {
+                if let Some(&f) = t.iter().find(|&&f| f.is_nan() || f <= 0.0) {
+                    return Err(bad("frequency table entry", f as f64));
+                }
+                if t.len() != self.dims / 2 {
+                    bail!(
+                        "RoPE table has {} entries for {} dimensions",
+                        t.len(),
+                        self.dims
+                    );
+                }
+            }
+            Freqs::Dynamic {
+                base,
+                factor,
+                max_positions,
+            } => {
+                if !pos(*base) {
+                    return Err(bad("base (rope_theta)", *base));
+                }
+                if !pos(*factor) {
+                    return Err(bad("scaling factor", *factor));
+                }
+                if *max_positions == 0 || self.dims <= 2 {
+                    bail!("dynamic RoPE needs max_position_embeddings >= 1 and more than 2 rotated dimensions");
+                }
+            }
+            _ => {}
+        }
+        Ok(())
     }
 
     /// The periods mlx is given (`freqs=`), where the variant uses a table.

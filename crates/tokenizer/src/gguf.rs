@@ -48,7 +48,8 @@ pub(crate) fn load(g: &Gguf) -> Result<Tokenizer, TokenizerError> {
         .ok_or_else(|| TokenizerError::Invalid("GGUF has no tokenizer.ggml.model".into()))?;
     if !matches!(model, "gpt2" | "llama") {
         return Err(TokenizerError::Unsupported(format!(
-            "GGUF tokenizer.ggml.model = {model:?} (supported: \"gpt2\" byte-level BPE, \"llama\" SentencePiece)"
+            "GGUF tokenizer.ggml.model = '{}' (supported: \"gpt2\" byte-level BPE, \"llama\" SentencePiece)",
+            trellm_formats::quote(model)
         )));
     }
     let tokens = g.get_str_array("tokenizer.ggml.tokens").ok_or_else(|| {
@@ -165,7 +166,12 @@ fn byte_level_bpe(
         .map(|m| {
             m.split_once(' ')
                 .map(|(a, b)| (a.to_string(), b.to_string()))
-                .ok_or_else(|| TokenizerError::Invalid(format!("malformed merge {m:?}")))
+                .ok_or_else(|| {
+                    TokenizerError::Invalid(format!(
+                        "malformed merge '{}'",
+                        trellm_formats::quote(m)
+                    ))
+                })
         })
         .collect::<Result<_, _>>()?;
     let vocab: tokenizers::models::bpe::Vocab = tokens
@@ -199,8 +205,9 @@ fn byte_level_bpe(
         "qwen2" | "stablelm2" | "deepseek-r1-qwen" => Sequence::new(split(QWEN2_SPLIT)?).into(),
         other => {
             return Err(TokenizerError::Unsupported(format!(
-                "GGUF BPE pre-tokenizer {other:?} (supported: smollm/starcoder-like, gpt-2, llama3, qwen2)"
-            )))
+            "GGUF BPE pre-tokenizer '{}' (supported: smollm/starcoder-like, gpt-2, llama3, qwen2)",
+            trellm_formats::quote(other)
+        )))
         }
     };
     let mut tok = tokenizers::Tokenizer::new(bpe);

@@ -62,13 +62,30 @@ fn id_list(v: Option<&Json>) -> Option<Vec<u32>> {
     }
 }
 
+/// Runs `f`, turning a panic inside it (in a dependency, on input it did not expect) into None
+/// without the panic message on stderr.
+fn without_panics<T>(f: impl FnOnce() -> T) -> Option<T> {
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).ok();
+    std::panic::set_hook(hook);
+    r
+}
+
 pub(crate) fn load(dir: &Path) -> Result<Tokenizer, TokenizerError> {
     let tj = dir.join("tokenizer.json");
     let bytes = read(&tj)?;
-    let tok = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| TokenizerError::Json {
+    let json_err = |msg: String| TokenizerError::Json {
         path: tj.display().to_string(),
-        msg: e.to_string(),
-    })?;
+        msg: trellm_formats::quote_max(&msg, 200),
+    };
+    // UTF-8 and JSON first: the tokenizers crate panics (instead of failing) on some malformed
+    // files, e.g. a syntax error or invalid UTF-8 inside the decoder object.
+    let text = std::str::from_utf8(&bytes).map_err(|e| json_err(format!("not UTF-8 text: {e}")))?;
+    serde_json::from_str::<Json>(text).map_err(|e| json_err(e.to_string()))?;
+    let tok = without_panics(|| <tokenizers::Tokenizer as std::str::FromStr>::from_str(text))
+        .ok_or_else(|| json_err("the tokenizers library cannot read this file".into()))?
+        .map_err(|e| json_err(e.to_string()))?;
     let cfg = read_json_opt(&dir.join("tokenizer_config.json"))?.unwrap_or(Json::Null);
     let legacy_map = read_json_opt(&dir.join("special_tokens_map.json"))?.unwrap_or(Json::Null);
 

@@ -38,6 +38,9 @@ pub(crate) struct ChatTemplate {
     vars: BTreeMap<String, String>,
 }
 
+/// Instructions a chat template may run per render.
+pub const TEMPLATE_FUEL: u64 = 50_000_000;
+
 impl ChatTemplate {
     pub(crate) fn new(source: &str, vars: BTreeMap<String, String>) -> ChatTemplate {
         let mut env = Environment::new();
@@ -48,6 +51,10 @@ impl ChatTemplate {
             .build()
             .expect("default delimiters are valid");
         env.set_syntax(syntax);
+        // A template comes from the model file: bound its work so a hostile one (nested loops)
+        // ends with an error instead of running for hours. Real templates need a few thousand
+        // instructions per message.
+        env.set_fuel(Some(TEMPLATE_FUEL));
         env.set_undefined_behavior(UndefinedBehavior::Lenient);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.set_formatter(python_formatter);

@@ -24,14 +24,18 @@ fn main() -> ExitCode {
             }
             // One line: clap's first line names the flag and the problem.
             let msg = e.render().to_string();
-            eprintln!("{}", msg.lines().next().unwrap_or("invalid arguments"));
+            let first = msg.lines().next().unwrap_or("invalid arguments");
+            eprintln!("{}", trellm::cli::report::one_line(first));
             return ExitCode::from(2);
         }
     };
     match trellm::cli::run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {}", format!("{e:#}").replace('\n', " "));
+            eprintln!(
+                "error: {}",
+                trellm::cli::report::one_line(&format!("{e:#}"))
+            );
             ExitCode::FAILURE
         }
     }

@@ -58,10 +58,24 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
-pub fn run(a: BenchArgs) -> Result<()> {
+/// Sizes beyond any context trellm runs; larger values are typing errors.
+const MAX_BENCH_TOKENS: usize = 1 << 20;
+
+/// Size flags checked before the model is loaded.
+fn check_sizes(a: &BenchArgs) -> Result<()> {
+    use super::flags::check_count;
     if a.repetitions == 0 {
         bail!("--repetitions must be at least 1");
     }
+    check_count("--repetitions", a.repetitions, 10_000)?;
+    check_count("--n-prompt", a.n_prompt, MAX_BENCH_TOKENS)?;
+    check_count("--n-gen", a.n_gen, MAX_BENCH_TOKENS)?;
+    check_count("--context", a.context, MAX_BENCH_TOKENS)?;
+    Ok(())
+}
+
+pub fn run(a: BenchArgs) -> Result<()> {
+    check_sizes(&a)?;
     if a.device == Device::Cuda && (a.shape.is_some() || a.check) {
         return super::bench_cuda::run(&a);
     }
@@ -104,19 +118,20 @@ pub fn run(a: BenchArgs) -> Result<()> {
             "peak_rss_bytes": super::peak_rss_bytes(),
             "weight_bytes": m.weight_bytes,
         });
-        println!("{obj}");
+        super::output::print(&format!("{obj}\n"))?;
     } else {
-        println!(
-            "model: {}  threads: {threads}  runs: {}",
+        let mut s = format!(
+            "model: {}  threads: {threads}  runs: {}\n",
             m.path.display(),
             a.repetitions
         );
         if let Some(v) = pp_tok_s {
-            println!("pp{:<5} {v:>10.2} tok/s", a.n_prompt);
+            s.push_str(&format!("pp{:<5} {v:>10.2} tok/s\n", a.n_prompt));
         }
         if let Some(v) = tg_tok_s {
-            println!("tg{:<5} {v:>10.2} tok/s", a.n_gen);
+            s.push_str(&format!("tg{:<5} {v:>10.2} tok/s\n", a.n_gen));
         }
+        super::output::print(&s)?;
     }
     Ok(())
 }

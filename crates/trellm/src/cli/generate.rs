@@ -1,13 +1,12 @@
 //! `trellm generate`.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
 use trellm_tokenizer::ChatMessage;
 
-use super::{print_stats, DeviceArgs, ModelArgs, SamplingArgs};
+use super::{output, print_stats, DeviceArgs, ModelArgs, SamplingArgs};
 use crate::engine::{generate, FinishReason, Flow, Request};
 use crate::model::load::LoadedModel;
 
@@ -17,9 +16,12 @@ pub struct GenerateArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub device: DeviceArgs,
-    /// The prompt (rendered through the chat template unless --raw).
-    #[arg(long, short = 'p', conflicts_with_all = ["messages", "prompt_ids"])]
+    /// The prompt (rendered through the chat template unless --raw); `-` reads it from stdin.
+    #[arg(long, short = 'p', conflicts_with_all = ["messages", "prompt_ids", "file"])]
     pub prompt: Option<String>,
+    /// Read the prompt from this file.
+    #[arg(long, short = 'f', conflicts_with_all = ["messages", "prompt_ids"])]
+    pub file: Option<PathBuf>,
     /// A JSON file with a chat: [{"role": "user", "content": "..."}, ...].
     #[arg(long, conflicts_with = "prompt_ids")]
     pub messages: Option<PathBuf>,
@@ -61,7 +63,7 @@ pub struct GenerateArgs {
     /// `prompt` (and `raw`) or `prompt_ids`, plus `max_tokens`, `seed`, `logprobs`, `stop` and
     /// the sampling fields named as the flags are (the flags give the defaults). Prints one
     /// JSON line per request, in input order, as --json does, with `id` and `finish_reason`.
-    #[arg(long, conflicts_with_all = ["prompt", "messages", "prompt_ids"])]
+    #[arg(long, conflicts_with_all = ["prompt", "messages", "prompt_ids", "file"])]
     pub requests: Option<PathBuf>,
     /// Requests running at once with --requests.
     #[arg(long, default_value_t = 16)]
@@ -114,8 +116,7 @@ pub fn prompt_ids(p: PromptSpec<'_>, m: &LoadedModel) -> Result<Vec<u32>> {
 
 /// Reads a `--messages` file.
 fn read_messages(path: &Path) -> Result<Vec<ChatMessage>> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let text = read_text(path)?;
     let messages = serde_json::from_str::<Vec<ChatMessage>>(&text).map_err(|e| {
         anyhow!(
             "{}: not a JSON list of {{role, content}} messages ({e})",
@@ -142,18 +143,23 @@ pub fn eos_ids(a: &GenerateArgs, m: &LoadedModel) -> Result<Vec<u32>> {
 }
 
 pub fn run(a: GenerateArgs) -> Result<()> {
-    if (a.logprobs > 0 || a.prompt_logprobs > 0) && !a.json {
-        bail!("--logprobs and --prompt-logprobs need --json");
-    }
+    check_flags(&a)?;
+    let prompt = read_prompt(&a)?;
     let sampler = a.sampling.params()?;
     if let Some(path) = &a.requests {
         return super::requests::run(&a, path);
     }
     let m = a.model.load()?;
+    for (flag, k) in [
+        ("--logprobs", a.logprobs),
+        ("--prompt-logprobs", a.prompt_logprobs),
+    ] {
+        super::flags::check_logprobs(flag, k, m.model.cfg.vocab)?;
+    }
     let messages = a.messages.as_deref().map(read_messages).transpose()?;
     let ids = prompt_ids(
         PromptSpec {
-            prompt: a.prompt.as_deref(),
+            prompt: prompt.as_deref(),
             messages,
             prompt_ids: a.prompt_ids.as_deref(),
             system: a.system.as_deref(),
@@ -171,26 +177,44 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         eos_ids,
         stop: a.stop.clone(),
     };
-    let mut engine = a
-        .device
-        .engine(&m, 1, ids.len() + a.max_tokens.saturating_sub(1))?;
+    let mut engine = a.device.engine(
+        &m,
+        1,
+        ids.len().saturating_add(a.max_tokens.saturating_sub(1)),
+    )?;
     let mut out_ids = Vec::new();
     let mut logprobs = Vec::new();
     let mut text = String::new();
     let mut stdout = std::io::stdout().lock();
+    let mut failure: Option<anyhow::Error> = None;
+    // The reader of stdout went away: stop, and end quietly as `cat` does.
+    let mut closed = false;
     let done = generate(&mut engine, req, |step, shown| {
         out_ids.push(step.token);
         logprobs.push(step.top.clone());
         text.push_str(shown);
-        if !a.json && !shown.is_empty() && write_out(&mut stdout, shown).is_err() {
-            return Flow::Stop;
+        if !a.json && !shown.is_empty() {
+            match output::emit(&mut stdout, shown) {
+                Ok(true) => {}
+                Ok(false) => {
+                    closed = true;
+                    return Flow::Stop;
+                }
+                Err(e) => {
+                    failure = Some(e);
+                    return Flow::Stop;
+                }
+            }
         }
         Flow::Continue
     })?;
+    if let Some(e) = failure {
+        return Err(e);
+    }
     text.push_str(&done.tail);
     let stats = done.stats;
     if a.json {
-        let obj = Output {
+        let mut obj = Output {
             prompt_ids: &ids,
             ids: &out_ids,
             text: m.has_tokenizer().then_some(&text),
@@ -199,15 +223,111 @@ pub fn run(a: GenerateArgs) -> Result<()> {
             reason: done.reason,
         }
         .json();
-        let _ = writeln!(stdout, "{obj}");
-    } else {
-        let _ = write_out(&mut stdout, &done.tail);
-        let _ = writeln!(stdout);
+        obj["timings"] = timings(&stats);
+        output::emit(&mut stdout, &format!("{obj}\n"))?;
+    } else if !closed {
+        output::emit(&mut stdout, &format!("{}\n", done.tail))?;
     }
     if !a.quiet {
         print_stats(&stats);
     }
     Ok(())
+}
+
+/// Prompt and generation times, named as llama.cpp's server names them.
+pub fn timings(stats: &crate::engine::GenerationStats) -> serde_json::Value {
+    let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+    let per_s = |n: usize, d: std::time::Duration| n as f64 / d.as_secs_f64().max(1e-9);
+    serde_json::json!({
+        "prompt_n": stats.prompt_tokens,
+        "prompt_ms": ms(stats.prompt_time),
+        "prompt_per_second": per_s(stats.prompt_tokens, stats.prompt_time),
+        "predicted_n": stats.generated_tokens,
+        "predicted_ms": ms(stats.generation_time),
+        "predicted_per_second": per_s(stats.generated_tokens, stats.generation_time),
+    })
+}
+
+/// Flag checks that need no model, before anything is loaded; warnings for flags that would
+/// have no effect.
+fn check_flags(a: &GenerateArgs) -> Result<()> {
+    if (a.logprobs > 0 || a.prompt_logprobs > 0) && !a.json && a.requests.is_none() {
+        bail!("--logprobs and --prompt-logprobs need --json");
+    }
+    super::flags::check_sampling(&a.sampling)?;
+    for (flag, k) in [
+        ("--logprobs", a.logprobs),
+        ("--prompt-logprobs", a.prompt_logprobs),
+    ] {
+        super::flags::check_logprobs(flag, k, crate::model::config::LIMITS.vocab)?;
+    }
+    if a.system.is_some() {
+        let why = if a.raw {
+            Some("--raw skips the chat template")
+        } else if a.messages.is_some() {
+            Some("--messages gives the whole chat")
+        } else if a.prompt_ids.is_some() {
+            Some("--prompt-ids are used as they are")
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            eprintln!("trellm: warning: --system has no effect: {why}");
+        }
+    }
+    if a.raw && a.prompt_ids.is_some() {
+        eprintln!("trellm: warning: --raw has no effect with --prompt-ids");
+    }
+    Ok(())
+}
+
+/// Bytes a prompt or chat file may hold (far beyond any model's context).
+const MAX_PROMPT_BYTES: u64 = 64 << 20;
+
+/// The prompt text: `--prompt TEXT`, `--prompt -` (stdin), `--file FILE`, or none.
+fn read_prompt(a: &GenerateArgs) -> Result<Option<String>> {
+    use std::io::Read;
+    if let Some(path) = &a.file {
+        return read_text(path).map(Some);
+    }
+    match a.prompt.as_deref() {
+        Some("-") => {
+            let mut buf = Vec::new();
+            std::io::stdin()
+                .lock()
+                .take(MAX_PROMPT_BYTES + 1)
+                .read_to_end(&mut buf)
+                .context("cannot read the prompt from stdin")?;
+            if buf.len() as u64 > MAX_PROMPT_BYTES {
+                bail!(
+                    "the prompt on stdin is larger than {} MiB",
+                    MAX_PROMPT_BYTES >> 20
+                );
+            }
+            String::from_utf8(buf)
+                .map(Some)
+                .map_err(|_| anyhow!("the prompt on stdin is not UTF-8 text"))
+        }
+        p => Ok(p.map(str::to_string)),
+    }
+}
+
+/// A text file given by a flag, at most [`MAX_PROMPT_BYTES`].
+pub fn read_text(path: &Path) -> Result<String> {
+    use std::io::Read;
+    let f = std::fs::File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let mut buf = Vec::new();
+    f.take(MAX_PROMPT_BYTES + 1)
+        .read_to_end(&mut buf)
+        .with_context(|| format!("cannot read {}", path.display()))?;
+    if buf.len() as u64 > MAX_PROMPT_BYTES {
+        bail!(
+            "{} is larger than {} MiB",
+            path.display(),
+            MAX_PROMPT_BYTES >> 20
+        );
+    }
+    String::from_utf8(buf).map_err(|_| anyhow!("{} is not UTF-8 text", path.display()))
 }
 
 /// What `--json` prints for one generation.
@@ -239,9 +359,4 @@ impl Output<'_> {
         }
         obj
     }
-}
-
-fn write_out(w: &mut impl Write, s: &str) -> std::io::Result<()> {
-    w.write_all(s.as_bytes())?;
-    w.flush()
 }

@@ -3,13 +3,17 @@
 mod bench;
 mod bench_cuda;
 mod chat;
+mod flags;
 mod generate;
+mod models;
+pub mod output;
+pub mod report;
 mod requests;
 mod serve;
 
 use std::io::Write;
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 use clap::{Args, Parser, Subcommand};
 
 use crate::backend::Device;
@@ -45,6 +49,14 @@ pub enum Command {
         /// Alias (smollm2-135m-instruct, gemma-3-270m) or Hugging Face repo id.
         model: String,
     },
+    /// List the known models and the cached ones.
+    List(models::ListArgs),
+    /// Remove a model from the cache.
+    Rm(models::RmArgs),
+    /// Describe a model: architecture, parameters, tensor types, context length, chat template.
+    Info(models::InfoArgs),
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
+    Completions(models::CompletionsArgs),
 }
 
 /// Which model and how many threads.
@@ -89,14 +101,11 @@ impl ModelArgs {
 
     /// Loads the model, with or without its tokenizer.
     pub fn load_with(&self, tokenizer: bool) -> Result<LoadedModel> {
-        if let Some(n) = self.threads {
-            if n == 0 {
-                bail!("--threads must be at least 1");
-            }
+        if let Some(n) = flags::check_threads(self.threads)? {
             crate::backend::cpu::set_threads(n);
         }
         let path = trellm_hub::resolve_model(&self.model, true)?;
-        load_with(&path, tokenizer)
+        load_with(&path, tokenizer).map_err(|e| models::cached_hint(e, &self.model, &path))
     }
 }
 
@@ -185,9 +194,13 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Bench(a) => bench::run(a),
         Command::Pull { model } => {
             let path = trellm_hub::pull(&model, true)?;
-            println!("{}", path.display());
+            output::print(&format!("{}\n", path.display()))?;
             Ok(())
         }
+        Command::List(a) => models::list(a),
+        Command::Rm(a) => models::rm(a),
+        Command::Info(a) => models::info(a),
+        Command::Completions(a) => models::completions(a),
     }
 }
 

@@ -131,7 +131,11 @@ pub fn run(a: &GenerateArgs, path: &Path) -> Result<()> {
     }
     let positions = reqs
         .iter()
-        .map(|r| r.prompt.len() + r.max_tokens.saturating_sub(1))
+        .map(|r| {
+            r.prompt
+                .len()
+                .saturating_add(r.max_tokens.saturating_sub(1))
+        })
         .max()
         .unwrap_or(1);
     let mut engine = a.device.engine(&m, a.max_seqs.min(reqs.len()), positions)?;

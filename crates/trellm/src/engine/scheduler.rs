@@ -59,17 +59,20 @@ pub enum FinishReason {
     Stop,
     /// A stop string (not part of the text).
     StopString(String),
-    /// `max_tokens`, or the model's context is full.
+    /// `max_tokens`.
     Length,
+    /// The model's context is full.
+    Context,
     Cancelled,
 }
 
 impl FinishReason {
-    /// The name OpenAI's API uses.
+    /// Its name in `--json` output (OpenAI's, plus `context`).
     pub fn as_str(&self) -> &'static str {
         match self {
             FinishReason::Stop | FinishReason::StopString(_) => "stop",
             FinishReason::Length => "length",
+            FinishReason::Context => "context",
             FinishReason::Cancelled => "cancelled",
         }
     }
@@ -271,7 +274,10 @@ impl<'t> Engine<'t> {
 
     /// Positions a request can ever occupy: the last generated token is never fed back.
     fn positions_needed(&self, req: &Request) -> usize {
-        (req.prompt.len() + req.max_tokens.saturating_sub(1)).min(self.cfg.max_context)
+        req.prompt
+            .len()
+            .saturating_add(req.max_tokens.saturating_sub(1))
+            .min(self.cfg.max_context)
     }
 
     /// Ends a sequence now; its `Done` event comes with the next step.
@@ -439,8 +445,10 @@ impl<'t> Engine<'t> {
                 ended.push((i, FinishReason::Stop));
             } else if let Some(m) = s.stops.matched() {
                 ended.push((i, FinishReason::StopString(m.to_string())));
-            } else if s.stats.generated_tokens >= s.req.max_tokens || s.table.len() >= max_context {
+            } else if s.stats.generated_tokens >= s.req.max_tokens {
                 ended.push((i, FinishReason::Length));
+            } else if s.table.len() >= max_context {
+                ended.push((i, FinishReason::Context));
             } else {
                 s.pending = Some(token);
             }

@@ -58,9 +58,19 @@ const SKIPPED: &str = "not loaded";
 fn load_gguf(path: &Path, with_tokenizer: bool) -> Result<LoadedModel> {
     let g = Gguf::open(path)?;
     let cfg = ModelConfig::from_gguf(&g).with_context(|| path.display().to_string())?;
-    let tokenizer = match with_tokenizer {
-        true => Tokenizer::from_gguf(&g).map_err(|e| e.to_string()),
-        false => Err(SKIPPED.to_string()),
+    // A vocabulary larger than the embedding has tokens the model cannot embed (and would size
+    // the tokenizer's tables beyond what the weights justify).
+    let n_tokens = g
+        .get("tokenizer.ggml.tokens")
+        .and_then(|v| v.as_array())
+        .map(|a| a.len());
+    let tokenizer = match (with_tokenizer, n_tokens) {
+        (false, _) => Err(SKIPPED.to_string()),
+        (true, Some(n)) if n > cfg.vocab => Err(format!(
+            "tokenizer.ggml.tokens has {n} tokens for a vocabulary of {}",
+            cfg.vocab
+        )),
+        (true, _) => Tokenizer::from_gguf(&g).map_err(|e| e.to_string()),
     };
     let src = TensorSource::Gguf(g);
     let weights = Weights::load(&src, &cfg).with_context(|| path.display().to_string())?;

@@ -120,7 +120,9 @@ fn stop_reason(r: &FinishReason) -> (&'static str, Option<String>) {
     match r {
         FinishReason::Stop => ("end_turn", None),
         FinishReason::StopString(s) => ("stop_sequence", Some(s.clone())),
-        FinishReason::Length | FinishReason::Cancelled => ("max_tokens", None),
+        FinishReason::Length | FinishReason::Context | FinishReason::Cancelled => {
+            ("max_tokens", None)
+        }
     }
 }
 

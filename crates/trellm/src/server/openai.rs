@@ -264,6 +264,14 @@ fn chat_logprob(s: &AppState, step: &Step, top: usize) -> Value {
     v
 }
 
+/// OpenAI's name for how a choice ended (a full context is `length` there).
+fn openai_reason(r: &crate::engine::FinishReason) -> &'static str {
+    match r {
+        crate::engine::FinishReason::Context => "length",
+        r => r.as_str(),
+    }
+}
+
 fn usage(prompt: usize, completion: usize) -> Value {
     json!({
         "prompt_tokens": prompt,
@@ -380,7 +388,7 @@ async fn chat(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
                 "index": i,
                 "message": {"role": "assistant", "content": c.text},
                 "logprobs": want_lp.then(|| json!({"content": c.steps.iter().map(|st| chat_logprob(&s, st, top)).collect::<Vec<_>>()})),
-                "finish_reason": c.reason.as_ref().map(|r| r.as_str()),
+                "finish_reason": c.reason.as_ref().map(openai_reason),
             })
         })
         .collect();
@@ -444,7 +452,7 @@ fn stream_chat(
                         }
                     }
                     chunk(
-                        json!([{"index": i, "delta": {}, "logprobs": null, "finish_reason": reason.as_str()}]),
+                        json!([{"index": i, "delta": {}, "logprobs": null, "finish_reason": openai_reason(&reason)}]),
                     )
                 }
                 ChoiceUpdate::Failed(e) => {
@@ -564,7 +572,7 @@ async fn completion(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError>
                     ChoiceUpdate::Done { reason, text: t } => {
                         text.push_str(&t);
                         chunk(
-                            json!([{"index": i, "text": text, "logprobs": null, "finish_reason": reason.as_str()}]),
+                            json!([{"index": i, "text": text, "logprobs": null, "finish_reason": openai_reason(&reason)}]),
                         )
                     }
                     ChoiceUpdate::Failed(e) => {
@@ -597,7 +605,7 @@ async fn completion(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError>
                 "index": i,
                 "text": format!("{echo}{}", c.text),
                 "logprobs": r.logprobs.map(|_| completion_logprobs(&s, c, top)),
-                "finish_reason": c.reason.as_ref().map(|r| r.as_str()),
+                "finish_reason": c.reason.as_ref().map(openai_reason),
             })
         })
         .collect();

@@ -1,6 +1,8 @@
 //! Shared test helpers: the real models, the CLI binary, and writers for small model files.
 #![allow(dead_code)]
 
+pub mod mutate;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -86,6 +88,50 @@ impl GgufWriter {
             self.kv.extend(s.as_bytes());
         }
         self
+    }
+    pub fn i32_array(mut self, k: &str, v: &[i32]) -> Self {
+        self.key(k, 9);
+        self.kv.extend(5u32.to_le_bytes());
+        self.kv.extend((v.len() as u64).to_le_bytes());
+        for x in v {
+            self.kv.extend(x.to_le_bytes());
+        }
+        self
+    }
+    pub fn f32_array(mut self, k: &str, v: &[f32]) -> Self {
+        self.key(k, 9);
+        self.kv.extend(6u32.to_le_bytes());
+        self.kv.extend((v.len() as u64).to_le_bytes());
+        for x in v {
+            self.kv.extend(x.to_le_bytes());
+        }
+        self
+    }
+    pub fn bool(mut self, k: &str, v: bool) -> Self {
+        self.key(k, 7);
+        self.kv.push(v as u8);
+        self
+    }
+    /// A `[rows][cols]` matrix (`cols` a multiple of 32) as Q8_0 blocks.
+    pub fn q8_0_tensor(self, name: &str, shape: &[u64], values: &[f32]) -> Self {
+        let mut data = Vec::new();
+        for block in values.chunks(32) {
+            let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let d = amax / 127.0;
+            data.extend(half::f16::from_f32(d).to_le_bytes());
+            for v in block {
+                let q = if d == 0.0 { 0.0 } else { (v / d).round() };
+                data.push(q as i8 as u8);
+            }
+        }
+        self.tensor(name, shape, 8, data)
+    }
+    pub fn f16_tensor(self, name: &str, shape: &[u64], values: &[f32]) -> Self {
+        let data = values
+            .iter()
+            .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
+            .collect();
+        self.tensor(name, shape, 1, data)
     }
     /// `shape` in ggml order (innermost first); `ty` a ggml type id; raw data bytes.
     pub fn tensor(mut self, name: &str, shape: &[u64], ty: u32, data: Vec<u8>) -> Self {
@@ -228,4 +274,79 @@ pub fn write_safetensors(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)]
         })
         .collect();
     safetensors::serialize_to_file(views, None, path).unwrap();
+}
+
+/// A complete tiny llama GGUF (2 layers, hidden 32, GQA 4/2, Q8_0/F16/F32 tensors) with a
+/// byte-level BPE vocabulary (the 256 byte tokens, a few merges, ChatML specials) and a chat
+/// template: every part of a real file, in a few tens of kilobytes.
+pub fn tiny_llama_gguf() -> Vec<u8> {
+    let (h, heads, kv, ff, layers) = (32u64, 4u64, 2u64, 64u64, 2usize);
+    let hd = h / heads;
+    let mut tokens: Vec<String> = mutate::byte_level_alphabet()
+        .into_iter()
+        .map(|c| c.to_string())
+        .collect();
+    let merges = ["\u{120} t", "h e", "\u{120}t he", "i n"];
+    for m in merges {
+        tokens.push(m.replace(' ', ""));
+    }
+    tokens.push("<|im_start|>".into());
+    tokens.push("<|im_end|>".into());
+    let vocab = tokens.len() as u64;
+    let mut types = vec![1i32; tokens.len()];
+    let n = types.len();
+    types[n - 2] = 3;
+    types[n - 1] = 3;
+    let tok_refs: Vec<&str> = tokens.iter().map(String::as_str).collect();
+    let template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+    let mut w = GgufWriter::new()
+        .str("general.architecture", "llama")
+        .str("general.name", "tiny")
+        .u32("general.alignment", 32)
+        .u32("llama.embedding_length", h as u32)
+        .u32("llama.attention.head_count", heads as u32)
+        .u32("llama.attention.head_count_kv", kv as u32)
+        .u32("llama.block_count", layers as u32)
+        .u32("llama.feed_forward_length", ff as u32)
+        .u32("llama.context_length", 256)
+        .u32("llama.rope.dimension_count", hd as u32)
+        .f32("llama.rope.freq_base", 10000.0)
+        .f32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+        .str("tokenizer.ggml.model", "gpt2")
+        .str("tokenizer.ggml.pre", "gpt2")
+        .str_array("tokenizer.ggml.tokens", &tok_refs)
+        .i32_array("tokenizer.ggml.token_type", &types)
+        .str_array("tokenizer.ggml.merges", &merges)
+        .u32("tokenizer.ggml.bos_token_id", (vocab - 2) as u32)
+        .u32("tokenizer.ggml.eos_token_id", (vocab - 1) as u32)
+        .bool("tokenizer.ggml.add_bos_token", false)
+        .str("tokenizer.chat_template", template);
+    let mut seed = 10;
+    let mut r = |n: u64| {
+        seed += 1;
+        rand_vec(n as usize, seed, 0.3)
+    };
+    w = w.q8_0_tensor("token_embd.weight", &[h, vocab], &r(h * vocab));
+    w = w.f32_tensor("output_norm.weight", &[h], &vec![1.0; h as usize]);
+    for l in 0..layers {
+        let p = format!("blk.{l}.");
+        w = w.f32_tensor(
+            &format!("{p}attn_norm.weight"),
+            &[h],
+            &vec![1.0; h as usize],
+        );
+        w = w.f32_tensor(&format!("{p}ffn_norm.weight"), &[h], &vec![1.0; h as usize]);
+        w = w.f16_tensor(&format!("{p}attn_q.weight"), &[h, heads * hd], &r(h * h));
+        w = w.f16_tensor(&format!("{p}attn_k.weight"), &[h, kv * hd], &r(h * kv * hd));
+        w = w.f16_tensor(&format!("{p}attn_v.weight"), &[h, kv * hd], &r(h * kv * hd));
+        w = w.f16_tensor(
+            &format!("{p}attn_output.weight"),
+            &[heads * hd, h],
+            &r(h * h),
+        );
+        w = w.q8_0_tensor(&format!("{p}ffn_gate.weight"), &[h, ff], &r(h * ff));
+        w = w.q8_0_tensor(&format!("{p}ffn_up.weight"), &[h, ff], &r(h * ff));
+        w = w.q8_0_tensor(&format!("{p}ffn_down.weight"), &[ff, h], &r(h * ff));
+    }
+    w.bytes()
 }
