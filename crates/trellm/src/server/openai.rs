@@ -407,6 +407,23 @@ fn sse(v: &Value) -> Result<SseEvent, Infallible> {
     Ok(SseEvent::default().data(v.to_string()))
 }
 
+type SseSender = tokio::sync::mpsc::UnboundedSender<Result<SseEvent, Infallible>>;
+
+/// An error in the middle of a stream (the status line has gone out already).
+fn stream_error(tx: &SseSender, e: ApiError) {
+    let _ = tx.send(sse(
+        &json!({"error": {"message": e.message, "type": e.kind}}),
+    ));
+}
+
+/// The end of a stream: the usage chunk when it was asked for, then `[DONE]`.
+fn end_stream(tx: &SseSender, usage_chunk: Option<Value>) {
+    if let Some(u) = usage_chunk {
+        let _ = tx.send(sse(&u));
+    }
+    let _ = tx.send(Ok(SseEvent::default().data("[DONE]")));
+}
+
 fn stream_chat(
     s: Arc<AppState>,
     mut rx: tokio::sync::mpsc::UnboundedReceiver<(usize, ChoiceUpdate)>,
@@ -456,9 +473,7 @@ fn stream_chat(
                     )
                 }
                 ChoiceUpdate::Failed(e) => {
-                    let _ = tx.send(sse(
-                        &json!({"error": {"message": e.message, "type": e.kind}}),
-                    ));
+                    stream_error(&tx, e);
                     return;
                 }
             };
@@ -466,12 +481,9 @@ fn stream_chat(
                 return;
             }
         }
-        if include_usage {
-            let mut u = chunk(json!([]));
-            u["usage"] = usage(prompt_tokens, completion);
-            let _ = tx.send(sse(&u));
-        }
-        let _ = tx.send(Ok(SseEvent::default().data("[DONE]")));
+        let mut u = chunk(json!([]));
+        u["usage"] = usage(prompt_tokens, completion);
+        end_stream(&tx, include_usage.then_some(u));
     });
     Sse::new(UnboundedReceiverStream::new(out)).into_response()
 }
@@ -576,9 +588,7 @@ async fn completion(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError>
                         )
                     }
                     ChoiceUpdate::Failed(e) => {
-                        let _ = tx.send(sse(
-                            &json!({"error": {"message": e.message, "type": e.kind}}),
-                        ));
+                        stream_error(&tx, e);
                         return;
                     }
                 };
@@ -586,12 +596,9 @@ async fn completion(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError>
                     return;
                 }
             }
-            if include_usage {
-                let mut u = chunk(json!([]));
-                u["usage"] = usage(prompt.len(), completion);
-                let _ = tx.send(sse(&u));
-            }
-            let _ = tx.send(Ok(SseEvent::default().data("[DONE]")));
+            let mut u = chunk(json!([]));
+            u["usage"] = usage(prompt.len(), completion);
+            end_stream(&tx, include_usage.then_some(u));
         });
         return Ok(Sse::new(UnboundedReceiverStream::new(out)).into_response());
     }
