@@ -310,3 +310,34 @@ fn invalid_flag_values() {
         "messages",
     );
 }
+
+#[test]
+fn weights_that_compute_nan_are_an_error_not_garbage() {
+    // A model whose embedding holds NaN in its data (a corrupt download) must not print text
+    // with exit 0.
+    let d = tmp();
+    write_tiny_llama(d.path(), "llama", 64);
+    let st = d.path().join("model.safetensors");
+    let mut bytes = std::fs::read(&st).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let off = &header["model.embed_tokens.weight"]["data_offsets"];
+    let (a, b) = (
+        8 + n + off[0].as_u64().unwrap() as usize,
+        8 + n + off[1].as_u64().unwrap() as usize,
+    );
+    for c in bytes[a..b].chunks_exact_mut(4) {
+        c.copy_from_slice(&f32::NAN.to_le_bytes());
+    }
+    std::fs::write(&st, bytes).unwrap();
+    assert_clean_error(
+        &[
+            "generate",
+            "--model",
+            d.path().to_str().unwrap(),
+            "--prompt-ids",
+            "1,2,3",
+        ],
+        "non-finite",
+    );
+}

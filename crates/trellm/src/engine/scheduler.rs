@@ -385,6 +385,13 @@ impl<'t> Engine<'t> {
             self.runner.copy_blocks(&copies)?;
         }
         let logits = self.runner.step(&batch)?;
+        // Corrupt weights (NaN or huge values in the tensor data) show up here; garbage text
+        // with a success would hide them.
+        if logits.iter().any(|x| !x.is_finite()) {
+            return Err(EngineError::Internal(anyhow::anyhow!(
+                "the model computed non-finite logits (NaN or infinity): its weights are likely corrupt"
+            )));
+        }
 
         let mut row = 0;
         let mut ended = Vec::new();
