@@ -201,10 +201,11 @@ fn a_slot_limit_queues_requests_without_changing_them() {
 fn forked_sequences_share_a_prefix_and_match_fresh_ones() {
     let m = load(&fixture("llama")).unwrap();
     let model = &*m.model;
-    let bs = 4;
+    let bs = trellm::backend::BLOCK_SIZE;
     let mut cache = model.new_cache(16, bs).unwrap();
     let mut pool = BlockPool::new(16, bs);
-    let prefix = [3u32, 14, 15, 92, 65, 35];
+    // One full block and a partial one.
+    let prefix: Vec<u32> = (0..bs as u32 + 4).map(|i| (i * 37 + 3) % 200).collect();
     let mut a = BlockTable::default();
     pool.grow(&mut a, prefix.len()).unwrap();
     let mut batch = Batch::default();
@@ -228,7 +229,7 @@ fn forked_sequences_share_a_prefix_and_match_fresh_ones() {
     got.push(model.step(&batch, &mut cache).unwrap());
 
     for (i, tok) in [8u32, 97].into_iter().enumerate() {
-        let mut fresh = SoloSequence::new(model, 16).unwrap();
+        let mut fresh = SoloSequence::new(model, 64).unwrap();
         let mut p = prefix.to_vec();
         p.push(tok);
         let want = fresh.forward(&p, Want::Last).unwrap();

@@ -86,7 +86,7 @@ fn dot_generic(a: &[f32], b: &[f32]) -> f32 {
 }
 
 #[inline(always)]
-fn axpy_generic(a: f32, x: &[f32], y: &mut [f32]) {
+pub(crate) fn axpy_generic(a: f32, x: &[f32], y: &mut [f32]) {
     for (v, w) in y.iter_mut().zip(x) {
         *v += a * w;
     }

@@ -26,8 +26,9 @@ pub struct CpuModel {
 }
 
 /// Keys and values in blocks of `block_size` positions. Block `b` holds, for each layer, its
-/// keys then its values, position-major: `[layer][k | v][pos][kv_dim]`. A block's memory is
-/// allocated when it is first written.
+/// keys transposed, `[kv_dim][slot]` (a head's scores over a block's positions are then one
+/// vector operation per dimension), then its values position-major, `[slot][kv_dim]`. A block's
+/// memory is allocated when it is first written.
 pub struct CpuKv {
     block_size: usize,
     kv_dim: usize,
@@ -38,10 +39,15 @@ impl CpuKv {
     fn block_len(&self, n_layers: usize) -> usize {
         n_layers * 2 * self.block_size * self.kv_dim
     }
-    /// Offset of (layer, k or v, slot) inside a block.
+    /// Start of a layer's transposed keys inside a block.
     #[inline]
-    fn offset(&self, layer: usize, value: bool, slot: usize) -> usize {
-        ((layer * 2 + value as usize) * self.block_size + slot) * self.kv_dim
+    fn key_offset(&self, layer: usize) -> usize {
+        layer * 2 * self.block_size * self.kv_dim
+    }
+    /// Offset of a layer's value at `slot` inside a block.
+    #[inline]
+    fn value_offset(&self, layer: usize, slot: usize) -> usize {
+        ((layer * 2 + 1) * self.block_size + slot) * self.kv_dim
     }
 }
 
@@ -53,24 +59,32 @@ struct SeqKv<'a> {
 }
 
 impl SeqKv<'_> {
+    /// The value row of position `j` (`kv_dim`).
     #[inline]
-    fn row(&self, value: bool, j: usize) -> &[f32] {
+    fn value(&self, j: usize) -> &[f32] {
         let bs = self.kv.block_size;
         let b = &self.kv.blocks[self.blocks[j / bs] as usize];
-        &b[self.kv.offset(self.layer, value, j % bs)..][..self.kv.kv_dim]
+        &b[self.kv.value_offset(self.layer, j % bs)..][..self.kv.kv_dim]
+    }
+    /// The transposed keys of the sequence's block `i`, `[kv_dim][block_size]`.
+    #[inline]
+    fn key_block(&self, i: usize) -> &[f32] {
+        let b = &self.kv.blocks[self.blocks[i] as usize];
+        &b[self.kv.key_offset(self.layer)..][..self.kv.kv_dim * self.kv.block_size]
     }
     /// Positions `0..len` of keys (or values) copied out contiguously, `[pos][kv_dim]`.
     fn gather(&self, value: bool, len: usize) -> Vec<f32> {
-        let mut out = Vec::with_capacity(len * self.kv.kv_dim);
-        let bs = self.kv.block_size;
-        for (i, &b) in self.blocks.iter().enumerate() {
-            let n = bs.min(len.saturating_sub(i * bs));
-            if n == 0 {
-                break;
+        let (bs, d) = (self.kv.block_size, self.kv.kv_dim);
+        let mut out = vec![0.0f32; len * d];
+        for (i, row) in out.chunks_mut(d).enumerate() {
+            if value {
+                row.copy_from_slice(self.value(i));
+            } else {
+                let kt = self.key_block(i / bs);
+                for (c, v) in row.iter_mut().enumerate() {
+                    *v = kt[c * bs + i % bs];
+                }
             }
-            let blk = &self.kv.blocks[b as usize];
-            let o = self.kv.offset(self.layer, value, 0);
-            out.extend_from_slice(&blk[o..o + n * self.kv.kv_dim]);
         }
         out
     }
@@ -287,7 +301,6 @@ impl CpuModel {
                                 };
                                 let pos = s.start + (t - s.offset);
                                 let lo = a.window.map_or(0, |w| (pos + 1).saturating_sub(w));
-                                let n = pos + 1 - lo;
                                 let seq = SeqKv {
                                     kv,
                                     blocks: &s.blocks,
@@ -300,26 +313,7 @@ impl CpuModel {
                                         .iter()
                                         .map(|v| v * a.scale),
                                 );
-                                scores.resize(per_task * n, 0.0);
-                                for (i, j) in (lo..=pos).enumerate() {
-                                    let key = &seq.row(false, j)[kvh * hd..][..hd];
-                                    for (g, qh) in qs.chunks(hd).enumerate() {
-                                        scores[g * n + i] = cpu::dot(qh, key);
-                                    }
-                                }
-                                for sc in scores.chunks_mut(n) {
-                                    if let Some(cap) = a.softcap {
-                                        sc.iter_mut().for_each(|s| *s = cpu::softcap(*s, cap));
-                                    }
-                                    cpu::softmax(sc);
-                                }
-                                o.fill(0.0);
-                                for (i, j) in (lo..=pos).enumerate() {
-                                    let value = &seq.row(true, j)[kvh * hd..][..hd];
-                                    for (g, oh) in o.chunks_mut(hd).enumerate() {
-                                        cpu::axpy(scores[g * n + i], value, oh);
-                                    }
-                                }
+                                attend(qs, hd, kvh, lo, pos, &seq, a.softcap, scores, o);
                             },
                         );
                     // Prefill chunks: two matrix products per head and query tile over the
@@ -419,11 +413,130 @@ fn write_kv(kv: &mut CpuKv, layer: usize, batch: &Batch, k: &[f32], v: &[f32]) {
         for t in 0..s.len {
             let (i, j) = (s.offset + t, s.start + t);
             let (b, slot) = (s.blocks[j / bs] as usize, j % bs);
-            let ko = kv.offset(layer, false, slot);
-            let vo = kv.offset(layer, true, slot);
+            let ko = kv.key_offset(layer);
+            let vo = kv.value_offset(layer, slot);
             let blk = &mut kv.blocks[b];
-            blk[ko..ko + d].copy_from_slice(&k[i * d..(i + 1) * d]);
+            for (c, &x) in k[i * d..(i + 1) * d].iter().enumerate() {
+                blk[ko + c * bs + slot] = x;
+            }
             blk[vo..vo + d].copy_from_slice(&v[i * d..(i + 1) * d]);
+        }
+    }
+}
+
+/// Decode attention of the query heads `qs` (scaled, `hd` each) that share kv head `kvh`, over
+/// positions `lo..=pos` of `seq`, into `o`: scores a block of positions at a time from the
+/// transposed keys, then softmax, then the values weighted. Compiled for the CPU's vector unit.
+#[allow(clippy::too_many_arguments)]
+fn attend(
+    qs: &[f32],
+    hd: usize,
+    kvh: usize,
+    lo: usize,
+    pos: usize,
+    seq: &SeqKv,
+    softcap: Option<f32>,
+    scores: &mut Vec<f32>,
+    o: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use trellm_quant::ggml::dot::{best_level, Level};
+        match best_level() {
+            // SAFETY: the level was detected on this CPU.
+            Level::Avx512 => {
+                return unsafe { attend_avx512(qs, hd, kvh, lo, pos, seq, softcap, scores, o) }
+            }
+            Level::Avx2 => {
+                return unsafe { attend_avx2(qs, hd, kvh, lo, pos, seq, softcap, scores, o) }
+            }
+            Level::Scalar => {}
+        }
+    }
+    attend_generic(qs, hd, kvh, lo, pos, seq, softcap, scores, o)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn attend_avx512(
+    qs: &[f32],
+    hd: usize,
+    kvh: usize,
+    lo: usize,
+    pos: usize,
+    seq: &SeqKv,
+    softcap: Option<f32>,
+    scores: &mut Vec<f32>,
+    o: &mut [f32],
+) {
+    attend_generic(qs, hd, kvh, lo, pos, seq, softcap, scores, o)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn attend_avx2(
+    qs: &[f32],
+    hd: usize,
+    kvh: usize,
+    lo: usize,
+    pos: usize,
+    seq: &SeqKv,
+    softcap: Option<f32>,
+    scores: &mut Vec<f32>,
+    o: &mut [f32],
+) {
+    attend_generic(qs, hd, kvh, lo, pos, seq, softcap, scores, o)
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn attend_generic(
+    qs: &[f32],
+    hd: usize,
+    kvh: usize,
+    lo: usize,
+    pos: usize,
+    seq: &SeqKv,
+    softcap: Option<f32>,
+    scores: &mut Vec<f32>,
+    o: &mut [f32],
+) {
+    // `new_cache` makes blocks of this size only.
+    const BS: usize = crate::backend::BLOCK_SIZE;
+    let n = pos + 1 - lo;
+    scores.resize(qs.len() / hd * n, 0.0);
+    for bi in lo / BS..=pos / BS {
+        let kt = seq.key_block(bi);
+        // The block's slots inside lo..=pos.
+        let s0 = lo.max(bi * BS) - bi * BS;
+        let s1 = pos.min(bi * BS + BS - 1) - bi * BS + 1;
+        for (g, qh) in qs.chunks(hd).enumerate() {
+            let mut acc = [0.0f32; BS];
+            for (d, &qd) in qh.iter().enumerate() {
+                let row: &[f32; BS] = kt[(kvh * hd + d) * BS..][..BS]
+                    .try_into()
+                    .expect("a block row");
+                for s in 0..BS {
+                    acc[s] += qd * row[s];
+                }
+            }
+            let first = g * n + bi * BS + s0 - lo;
+            scores[first..first + (s1 - s0)].copy_from_slice(&acc[s0..s1]);
+        }
+    }
+    for sc in scores.chunks_mut(n) {
+        if let Some(cap) = softcap {
+            sc.iter_mut().for_each(|s| *s = cpu::softcap(*s, cap));
+        }
+        cpu::softmax(sc);
+    }
+    o.fill(0.0);
+    for (i, j) in (lo..=pos).enumerate() {
+        let value = &seq.value(j)[kvh * hd..][..hd];
+        for (g, oh) in o.chunks_mut(hd).enumerate() {
+            cpu::axpy_generic(scores[g * n + i], value, oh);
         }
     }
 }
@@ -548,7 +661,11 @@ impl ModelBackend for CpuModel {
     }
 
     fn new_cache(&self, n_blocks: usize, block_size: usize) -> Result<CpuKv> {
-        ensure!(block_size > 0, "a KV block holds at least one position");
+        ensure!(
+            block_size == crate::backend::BLOCK_SIZE,
+            "the CPU backend keeps KV blocks of {} positions",
+            crate::backend::BLOCK_SIZE
+        );
         Ok(CpuKv {
             block_size,
             kv_dim: self.cfg.n_kv_heads * self.cfg.head_dim,
