@@ -64,17 +64,6 @@ impl Batch {
     pub fn logit_rows(&self) -> usize {
         self.seqs.iter().map(|s| s.want.rows(s.len)).sum()
     }
-
-    /// The position of each token.
-    pub fn positions(&self) -> Vec<usize> {
-        let mut p = vec![0; self.tokens.len()];
-        for s in &self.seqs {
-            for (i, v) in p[s.offset..s.offset + s.len].iter_mut().enumerate() {
-                *v = s.start + i;
-            }
-        }
-        p
-    }
 }
 
 /// A loaded model on one backend: immutable and shared by every sequence (`Arc`), with a KV

@@ -199,7 +199,7 @@ pub fn run(a: ChatArgs) -> Result<()> {
         // The whole chat must fit the context with room for a reply: drop the oldest exchanges.
         let mut dropped = 0;
         let ids = loop {
-            let ids = tok.encode(&tok.apply_chat_template(&history, true)?, false)?;
+            let ids = m.chat_prompt(&history)?;
             if ids.len() < capacity {
                 break Some(ids);
             }

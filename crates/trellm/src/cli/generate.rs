@@ -106,8 +106,7 @@ pub fn prompt_ids(p: PromptSpec<'_>, m: &LoadedModel) -> Result<Vec<u32>> {
                 v
             }
         };
-        let text = tok.apply_chat_template(&messages, true)?;
-        tok.encode(&text, false)?
+        m.chat_prompt(&messages)?
     } else {
         tok.encode(&prompt, true)?
     };

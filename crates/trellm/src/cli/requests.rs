@@ -89,8 +89,12 @@ pub fn run(a: &GenerateArgs, path: &Path) -> Result<()> {
         )
         .map_err(at)?;
         let mut s = a.sampling.clone();
+        // Fields a line sets override the flags'.
         macro_rules! take {
             ($($f:ident),*) => { $( if let Some(v) = l.$f { s.$f = v; } )* };
+        }
+        macro_rules! take_opt {
+            ($($f:ident),*) => { $( if l.$f.is_some() { s.$f = l.$f; } )* };
         }
         take!(
             temp,
@@ -102,18 +106,12 @@ pub fn run(a: &GenerateArgs, path: &Path) -> Result<()> {
             presence_context_size,
             frequency_context_size
         );
-        if l.seed.is_some() {
-            s.seed = l.seed;
-        }
-        if l.repetition_penalty.is_some() {
-            s.repetition_penalty = l.repetition_penalty;
-        }
-        if l.presence_penalty.is_some() {
-            s.presence_penalty = l.presence_penalty;
-        }
-        if l.frequency_penalty.is_some() {
-            s.frequency_penalty = l.frequency_penalty;
-        }
+        take_opt!(
+            seed,
+            repetition_penalty,
+            presence_penalty,
+            frequency_penalty
+        );
         if let Some(b) = &l.logit_bias {
             s.logit_bias = Some(serde_json::to_string(b)?);
         }

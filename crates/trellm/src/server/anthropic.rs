@@ -15,8 +15,8 @@ use serde_json::{json, Value};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use trellm_tokenizer::ChatMessage;
 
-use super::api::{collect, parse, start, ApiError, ChoiceUpdate};
-use super::{authorized, unix_time, AppState};
+use super::api::{collect, invalid_sampling, parse, request_id, start, ApiError, ChoiceUpdate};
+use super::{authorized, AppState};
 use crate::engine::{FinishReason, Request, SamplerParams};
 
 #[derive(Deserialize, Debug)]
@@ -173,9 +173,7 @@ async fn run(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
         top_k: r.top_k.unwrap_or(0),
         ..Default::default()
     };
-    sampler
-        .validate(cfg.vocab)
-        .map_err(|e| ApiError::invalid(e.to_string().replace("--", "").replace('-', "_")))?;
+    sampler.validate(cfg.vocab).map_err(invalid_sampling)?;
     let req = Request {
         prompt: ids.clone(),
         max_tokens: r.max_tokens,
@@ -184,7 +182,7 @@ async fn run(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
         stop: r.stop_sequences.unwrap_or_default(),
         ..Default::default()
     };
-    let id = format!("msg_{:x}{:08x}", unix_time(), rand_u32());
+    let id = request_id("msg_");
     let input = ids.len();
     if !r.stream.unwrap_or(false) {
         let c = collect(&s.worker, vec![req]).await?.remove(0);
@@ -274,10 +272,4 @@ async fn run(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
         }
     });
     Ok(Sse::new(UnboundedReceiverStream::new(out)).into_response())
-}
-
-fn rand_u32() -> u32 {
-    use std::sync::atomic::{AtomicU32, Ordering};
-    static NEXT: AtomicU32 = AtomicU32::new(1);
-    NEXT.fetch_add(1, Ordering::Relaxed)
 }

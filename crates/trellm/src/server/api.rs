@@ -93,6 +93,23 @@ impl From<EngineError> for ApiError {
     }
 }
 
+/// A response id: `prefix`, the time and a counter.
+pub fn request_id(prefix: &str) -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    format!(
+        "{prefix}{:x}{:06x}",
+        super::unix_time(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// A sampling value the sampler refuses, named as the API names its field (`top_p`, not
+/// `--top-p`).
+pub fn invalid_sampling(e: anyhow::Error) -> ApiError {
+    ApiError::invalid(e.to_string().replace("--", "").replace('-', "_"))
+}
+
 /// A request body parsed as `T`, with parse failures as a 400 in the endpoint's envelope.
 pub fn parse<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, ApiError> {
     serde_json::from_slice(body)

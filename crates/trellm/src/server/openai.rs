@@ -16,7 +16,9 @@ use serde_json::{json, Value};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use trellm_tokenizer::ChatMessage;
 
-use super::api::{collect, parse, start, ApiError, Choice, ChoiceUpdate, OneOrMany};
+use super::api::{
+    collect, invalid_sampling, parse, request_id, start, ApiError, Choice, ChoiceUpdate, OneOrMany,
+};
 use super::{authorized, unix_time, AppState};
 use crate::engine::{Request, SamplerParams, Step};
 
@@ -84,6 +86,7 @@ struct ChatRequest {
     response_format: Option<Value>,
     tools: Option<Value>,
     tool_choice: Option<Value>,
+    #[allow(dead_code)]
     user: Option<String>,
     // Accepted and ignored, as other local servers do.
     #[allow(dead_code)]
@@ -110,6 +113,7 @@ struct CompletionRequest {
     sampling: Sampling,
     logprobs: Option<usize>,
     echo: Option<bool>,
+    #[allow(dead_code)]
     user: Option<String>,
 }
 
@@ -171,8 +175,7 @@ impl Sampling {
             seed: self.seed,
             ..Default::default()
         };
-        base.validate(cfg.vocab)
-            .map_err(|e| ApiError::invalid(e.to_string().replace("--", "").replace('-', "_")))?;
+        base.validate(cfg.vocab).map_err(invalid_sampling)?;
         let stop = self
             .stop
             .clone()
@@ -281,16 +284,6 @@ fn usage(prompt: usize, completion: usize) -> Value {
     })
 }
 
-fn request_id(prefix: &str) -> String {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static NEXT: AtomicU64 = AtomicU64::new(1);
-    format!(
-        "{prefix}-{:x}{:06x}",
-        unix_time(),
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    )
-}
-
 pub async fn models(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Response {
     if !authorized(&s, &headers) {
         return ApiError::unauthorized().openai();
@@ -319,7 +312,6 @@ pub async fn chat_completions(
 async fn chat(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
     let r: ChatRequest = parse(body)?;
     check_model(&s, &r.model)?;
-    let _ = &r.user;
     match r
         .response_format
         .as_ref()
@@ -364,7 +356,7 @@ async fn chat(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
     let reqs = r
         .sampling
         .requests(&s, prompt.clone(), if want_lp { top.max(1) } else { 0 })?;
-    let id = request_id("chatcmpl");
+    let id = request_id("chatcmpl-");
     let created = unix_time();
     if r.sampling.stream() {
         let rx = start(&s.worker, reqs)?;
@@ -526,7 +518,6 @@ fn completion_logprobs(s: &AppState, c: &Choice, top: usize) -> Value {
 async fn completion(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
     let r: CompletionRequest = parse(body)?;
     check_model(&s, &r.model)?;
-    let _ = &r.user;
     let prompt = match &r.prompt {
         Prompt::Ids(ids) => ids.clone(),
         Prompt::Text(t) => {
@@ -550,7 +541,7 @@ async fn completion(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError>
         prompt.clone(),
         top.max(usize::from(r.logprobs.is_some())),
     )?;
-    let id = request_id("cmpl");
+    let id = request_id("cmpl-");
     let created = unix_time();
     let echo = match (&r.prompt, r.echo.unwrap_or(false)) {
         (Prompt::Text(t), true) => t.clone(),

@@ -128,7 +128,6 @@ impl Worker {
                                     )));
                                     engine.cancel(id);
                                 }
-                                let _ = engine.step();
                             }
                         }
                     }
