@@ -10,7 +10,7 @@ use trellm_tokenizer::Tokenizer;
 
 use crate::backend::cpu::CpuModel;
 use crate::backend::Device;
-use crate::engine::{Engine, EngineOptions};
+use crate::engine::{Engine, EngineOptions, SamplingDefaults};
 
 use super::config::ModelConfig;
 use super::weights::{TensorSource, Weights};
@@ -23,6 +23,8 @@ pub struct LoadedModel {
     tokenizer: std::result::Result<Tokenizer, String>,
     /// Bytes of weights in the memory map(s).
     pub weight_bytes: usize,
+    /// The sampling the model's files recommend.
+    pub sampling: SamplingDefaults,
 }
 
 pub fn load(path: &Path) -> Result<LoadedModel> {
@@ -72,6 +74,7 @@ fn load_gguf(path: &Path, with_tokenizer: bool) -> Result<LoadedModel> {
         )),
         (true, _) => Tokenizer::from_gguf(&g).map_err(|e| e.to_string()),
     };
+    let sampling = SamplingDefaults::from_gguf(&g);
     let src = TensorSource::Gguf(g);
     let weights = Weights::load(&src, &cfg).with_context(|| path.display().to_string())?;
     let weight_bytes = match &src {
@@ -83,6 +86,7 @@ fn load_gguf(path: &Path, with_tokenizer: bool) -> Result<LoadedModel> {
         model: Arc::new(CpuModel::new(cfg, weights)),
         tokenizer,
         weight_bytes,
+        sampling,
     })
 }
 
@@ -91,6 +95,10 @@ fn load_hf(dir: &Path, with_tokenizer: bool) -> Result<LoadedModel> {
     let generation = trellm_formats::hf::read_json(&dir.join("generation_config.json"))?;
     let cfg = ModelConfig::from_hf(&config, generation.as_ref())
         .with_context(|| dir.display().to_string())?;
+    let sampling = generation
+        .as_ref()
+        .map(SamplingDefaults::from_hf)
+        .unwrap_or_default();
     let st = SafeTensors::open(dir)?;
     let weight_bytes = st.shards.iter().map(|(_, m)| m.len()).sum();
     let src = TensorSource::SafeTensors(st);
@@ -107,6 +115,7 @@ fn load_hf(dir: &Path, with_tokenizer: bool) -> Result<LoadedModel> {
         model: Arc::new(CpuModel::new(cfg, weights)),
         tokenizer,
         weight_bytes,
+        sampling,
     })
 }
 

@@ -163,12 +163,14 @@ impl Sampling {
                 })
                 .collect::<Result<_, _>>()?,
         };
+        // Unset fields: the model's recommendation, then OpenAI's defaults.
+        let d = &s.model.sampling;
         let base = SamplerParams {
-            temp: self.temperature.unwrap_or(1.0),
-            top_p: self.top_p.unwrap_or(1.0),
-            min_p: self.min_p.unwrap_or(0.0),
-            top_k: self.top_k.unwrap_or(0),
-            repetition_penalty: self.repetition_penalty,
+            temp: self.temperature.or(d.temperature).unwrap_or(1.0),
+            top_p: self.top_p.or(d.top_p).unwrap_or(1.0),
+            min_p: self.min_p.or(d.min_p).unwrap_or(0.0),
+            top_k: self.top_k.or(d.top_k).unwrap_or(0),
+            repetition_penalty: self.repetition_penalty.or(d.repetition_penalty),
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,
             logit_bias,
@@ -275,13 +277,18 @@ fn openai_reason(r: &crate::engine::FinishReason) -> &'static str {
     }
 }
 
-fn usage(prompt: usize, completion: usize) -> Value {
+/// `cached`: prompt tokens whose KV came from the prefix cache.
+fn usage(prompt: usize, completion: usize, cached: usize) -> Value {
     json!({
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": 0},
+        "prompt_tokens_details": {"cached_tokens": cached},
     })
+}
+
+fn cached(choices: &[Choice]) -> usize {
+    choices.iter().map(|c| c.cached).max().unwrap_or(0)
 }
 
 pub async fn models(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Response {
@@ -390,7 +397,7 @@ async fn chat(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
         "created": created,
         "model": s.model_name,
         "choices": out,
-        "usage": usage(prompt.len(), completion),
+        "usage": usage(prompt.len(), completion, cached(&choices)),
     }))
     .into_response())
 }
@@ -431,6 +438,7 @@ fn stream_chat(
         let chunk = |choices: Value| json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": s.model_name, "choices": choices});
         let mut started = std::collections::HashSet::new();
         let mut completion = 0usize;
+        let mut cached = 0usize;
         while let Some((i, u)) = rx.recv().await {
             if started.insert(i) {
                 let first = chunk(
@@ -451,7 +459,12 @@ fn stream_chat(
                         json!([{"index": i, "delta": {"content": text}, "logprobs": lp, "finish_reason": null}]),
                     )
                 }
-                ChoiceUpdate::Done { reason, text } => {
+                ChoiceUpdate::Done {
+                    reason,
+                    text,
+                    cached: c,
+                } => {
+                    cached = cached.max(c);
                     if !text.is_empty() {
                         let c = chunk(
                             json!([{"index": i, "delta": {"content": text}, "logprobs": null, "finish_reason": null}]),
@@ -474,7 +487,7 @@ fn stream_chat(
             }
         }
         let mut u = chunk(json!([]));
-        u["usage"] = usage(prompt_tokens, completion);
+        u["usage"] = usage(prompt_tokens, completion, cached);
         end_stream(&tx, include_usage.then_some(u));
     });
     Sse::new(UnboundedReceiverStream::new(out)).into_response()
@@ -555,6 +568,7 @@ async fn completion(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError>
         tokio::spawn(async move {
             let chunk = |choices: Value| json!({"id": id, "object": "text_completion", "created": created, "model": name, "choices": choices});
             let mut completion = 0usize;
+            let mut cached = 0usize;
             let mut echoed = std::collections::HashSet::new();
             while let Some((i, u)) = rx.recv().await {
                 let mut text = String::new();
@@ -572,7 +586,12 @@ async fn completion(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError>
                             json!([{"index": i, "text": text, "logprobs": null, "finish_reason": null}]),
                         )
                     }
-                    ChoiceUpdate::Done { reason, text: t } => {
+                    ChoiceUpdate::Done {
+                        reason,
+                        text: t,
+                        cached: c,
+                    } => {
+                        cached = cached.max(c);
                         text.push_str(&t);
                         chunk(
                             json!([{"index": i, "text": text, "logprobs": null, "finish_reason": openai_reason(&reason)}]),
@@ -588,7 +607,7 @@ async fn completion(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError>
                 }
             }
             let mut u = chunk(json!([]));
-            u["usage"] = usage(prompt.len(), completion);
+            u["usage"] = usage(prompt.len(), completion, cached);
             end_stream(&tx, include_usage.then_some(u));
         });
         return Ok(Sse::new(UnboundedReceiverStream::new(out)).into_response());
@@ -613,7 +632,7 @@ async fn completion(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError>
         "created": created,
         "model": s.model_name,
         "choices": out,
-        "usage": usage(prompt.len(), completion),
+        "usage": usage(prompt.len(), completion, cached(&choices)),
     }))
     .into_response())
 }
