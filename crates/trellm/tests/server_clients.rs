@@ -416,3 +416,36 @@ fn metrics_count_tokens_latencies_and_prefix_cache_hits() {
         metric(p, "trellm_kv_blocks_total")
     );
 }
+
+#[test]
+fn sixty_four_streaming_clients_each_get_what_they_get_alone() {
+    let srv = serve(&["--max-seqs", "64"]);
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/load_clients.py");
+    let out = Command::new(python())
+        .args([script, &srv.base, "smollm2-135m-instruct"])
+        .args(["--clients", "64", "--requests", "2", "--max-tokens", "16"])
+        .args(["--prompts", "8", "--check"])
+        .output()
+        .expect("python with the openai package (see the module docs)");
+    let report = String::from_utf8_lossy(&out.stdout);
+    // The speeds are informative here; BENCHMARKS.md has the measured ratios.
+    eprintln!("{report}");
+    assert!(
+        out.status.success(),
+        "{report}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_str(report.trim()).unwrap();
+    assert_eq!(v["requests"], 128);
+    assert_eq!(
+        v["generated_tokens"],
+        128 * 16,
+        "every stream ran to max_tokens"
+    );
+    // Afterwards the engine is idle and every block is free again.
+    assert_eq!(metric(srv.port, "trellm_requests_running"), 0);
+    assert_eq!(
+        metric(srv.port, "trellm_kv_blocks_free"),
+        metric(srv.port, "trellm_kv_blocks_total")
+    );
+}
