@@ -516,7 +516,7 @@ fn json_value(v: &serde_json::Value) -> Value {
         },
         J::String(s) => Value::from(s.as_str()),
         J::Array(a) => Value::from(a.iter().map(json_value).collect::<Vec<_>>()),
-        J::Object(o) => o.iter().map(|(k, v)| (k.as_str(), json_value(v))).collect(),
+        J::Object(o) => Value::from_pairs(o.iter().map(|(k, v)| (k.as_str(), json_value(v)))),
     }
 }
 
@@ -599,6 +599,24 @@ mod tests {
         assert_eq!(
             strftime("%A %B %-d, %I %p %j", t),
             "Thursday February 29, 01 PM 060"
+        );
+    }
+
+    #[test]
+    fn json_messages_and_tools_render() {
+        let t = ChatTemplate::new(
+            "{% for m in messages %}{{ m.role }}:{{ m.content }}{% for c in m.tool_calls or [] %}[{{ c.function.name }} {{ c.function.arguments | tojson }}]{% endfor %};{% endfor %}{{ tools | length }}",
+            BTreeMap::new(),
+        );
+        assert!(t.uses_tools());
+        let msgs = serde_json::json!([
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}}]},
+        ]);
+        let tools = serde_json::json!([{"type": "function"}, {"type": "function"}]);
+        assert_eq!(
+            t.render_json(&msgs, Some(&tools), false).unwrap(),
+            "user:hi;assistant:[f {\"a\": 1}];2"
         );
     }
 

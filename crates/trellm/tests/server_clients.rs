@@ -416,3 +416,19 @@ fn metrics_count_tokens_latencies_and_prefix_cache_hits() {
         metric(p, "trellm_kv_blocks_total")
     );
 }
+
+#[test]
+fn structured_output_and_tools_through_the_openai_client() {
+    let srv = serve(&[]);
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/server/structured.py");
+    let out = Command::new(python())
+        .args([script, &srv.base, "smollm2-135m-instruct"])
+        .output()
+        .expect("python with the openai package (see the module docs)");
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
