@@ -102,6 +102,16 @@ impl Constrainer {
         Ok(Constrainer { factory, vocab })
     }
 
+    /// Over a vocabulary of the 256 bytes plus an EOS (unit tests of grammars).
+    #[cfg(test)]
+    pub(crate) fn single_byte() -> Constrainer {
+        let env = ApproximateTokEnv::single_byte_env();
+        let vocab = env.tok_trie().vocab_size();
+        let mut factory = ParserFactory::new_simple(&env).expect("a byte vocabulary");
+        factory.quiet();
+        Constrainer { factory, vocab }
+    }
+
     /// Compiles `g`; a bad schema or grammar is an error message for the client.
     pub fn compile(&self, g: &Grammar) -> Result<Constraint, String> {
         let top = match g {
@@ -189,6 +199,23 @@ impl Constraint {
     /// The grammar is complete and allows nothing more than EOS.
     pub fn is_finished(&self) -> bool {
         self.matcher.is_stopped()
+    }
+
+    /// Commits each byte of `text` as a token (with [`Constrainer::single_byte`]); false at
+    /// the first byte the grammar refuses.
+    #[cfg(test)]
+    pub(crate) fn accepts_bytes(&mut self, text: &str) -> bool {
+        let mut logits = vec![0.0; self.vocab];
+        for b in text.bytes() {
+            logits.fill(0.0);
+            if self.mask(&mut logits).is_err() || !logits[b as usize].is_finite() {
+                return false;
+            }
+            if self.commit(b as u32).is_err() {
+                return false;
+            }
+        }
+        true
     }
 
     /// Whether the output so far is a complete match (EOS would be allowed).

@@ -640,6 +640,93 @@ mod tests {
     }
 
     #[test]
+    fn forced_call_grammars_take_only_calls_to_the_tools() {
+        let c = crate::engine::Constrainer::single_byte();
+        let mut t = tools();
+        let hermes = c.compile(&t.grammar().unwrap()).unwrap();
+        let good = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>";
+        let mut k = hermes.clone();
+        assert!(k.accepts_bytes(good));
+        assert!(k.is_accepting());
+        assert!(!hermes
+            .clone()
+            .accepts_bytes("<tool_call>\n{\"name\": \"other\""));
+        assert!(!hermes
+            .clone()
+            .accepts_bytes("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {}}"));
+        t.format = CallFormat::Llama3;
+        let mut k = c.compile(&t.grammar().unwrap()).unwrap();
+        assert!(
+            k.accepts_bytes("{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Rome\"}}")
+        );
+        assert!(k.is_accepting());
+    }
+
+    #[test]
+    fn template_formats_and_native_messages() {
+        let list = json!([{"type": "function", "function": {"name": "f"}}]);
+        let fmt = |src: &'static str| {
+            parse_tools(Some(&list), None, src.contains("tools"), |p| {
+                src.contains(p)
+            })
+            .unwrap()
+            .unwrap()
+            .format
+        };
+        assert_eq!(fmt("{{ tools }} <tool_call>"), CallFormat::Hermes);
+        assert_eq!(fmt("{{ tools }} ipython"), CallFormat::Llama3);
+        assert_eq!(fmt("no tool support"), CallFormat::Hermes);
+        assert!(
+            parse_tools(Some(&list), Some(&json!("none")), true, |_| true)
+                .unwrap()
+                .is_none()
+        );
+        let msgs = [
+            InMessage {
+                role: "assistant".into(),
+                content: String::new(),
+                tool_calls: Some(json!([{"id": "c1", "type": "function",
+                    "function": {"name": "f", "arguments": "{\"x\": 1}"}}])),
+                tool_call_id: None,
+                name: None,
+            },
+            InMessage {
+                role: "tool".into(),
+                content: "42".into(),
+                tool_calls: None,
+                tool_call_id: Some("c1".into()),
+                name: None,
+            },
+        ];
+        // Native: the template gets the calls with object arguments and the tool turn as is.
+        let v = template_messages(&msgs, None, true);
+        assert_eq!(
+            v[0]["tool_calls"][0]["function"]["arguments"],
+            json!({"x": 1})
+        );
+        assert_eq!(
+            (v[1]["role"].as_str(), v[1]["tool_call_id"].as_str()),
+            (Some("tool"), Some("c1"))
+        );
+        // Without tool support: a system message with the tools, calls and results as text.
+        let t = parse_tools(Some(&list), None, false, |_| false)
+            .unwrap()
+            .unwrap();
+        let v = template_messages(&msgs, Some(&t), false);
+        assert!(v[0]["content"].as_str().unwrap().contains("<tools>"));
+        let call = v[1]["content"].as_str().unwrap();
+        let inner = call
+            .strip_prefix("<tool_call>\n")
+            .and_then(|c| c.strip_suffix("\n</tool_call>"))
+            .unwrap();
+        assert_eq!(
+            serde_json::from_str::<Value>(inner).unwrap(),
+            json!({"name": "f", "arguments": {"x": 1}})
+        );
+        assert_eq!(v[2]["content"], "<tool_response>\n42\n</tool_response>");
+    }
+
+    #[test]
     fn bad_tool_fields_are_400s() {
         for (tools, choice) in [
             (json!({"a": 1}), json!("auto")),
