@@ -107,25 +107,46 @@ fn validate(v: &Value) -> Result<(), String> {
 
 #[test]
 fn token_bytes_spell_the_decoded_text() {
-    let m = model();
-    let tok = m.tokenizer().unwrap();
-    let bytes = tok.vocab_bytes();
-    assert_eq!(bytes.len(), tok.vocab_size());
-    let text = "Grüße, 東京! {\"a\": [1, 2.5e3]}\n\ttabs";
-    let ids = tok.encode(text, false).unwrap();
-    let mut joined = Vec::new();
-    for &id in &ids {
-        match &bytes[id as usize] {
-            TokenBytes::Text(b) => joined.extend_from_slice(b),
-            TokenBytes::Special(s) => panic!("{s} in plain text"),
+    // Byte-level BPE (SmolLM2) and SentencePiece with byte pieces (gemma-3).
+    for (alias, special) in [
+        ("smollm2-135m-instruct", "<|im_end|>"),
+        ("gemma-3-270m", "<end_of_turn>"),
+    ] {
+        let m = trellm::load(&model_path(alias)).unwrap();
+        let tok = m.tokenizer().unwrap();
+        let bytes = tok.vocab_bytes();
+        assert_eq!(bytes.len(), tok.vocab_size());
+        let text = "Grüße, 東京! {\"a\": [1, 2.5e3]}\n\ttabs 🦀";
+        let ids = tok.encode(text, false).unwrap();
+        let mut joined = Vec::new();
+        for &id in &ids {
+            match &bytes[id as usize] {
+                TokenBytes::Text(b) => joined.extend_from_slice(b),
+                TokenBytes::Special(s) => panic!("{alias}: {s} in plain text"),
+            }
         }
+        assert_eq!(String::from_utf8(joined).unwrap(), text, "{alias}");
+        let id = tok.token_to_id(special).unwrap();
+        assert_eq!(bytes[id as usize], TokenBytes::Special(special.into()));
     }
-    assert_eq!(String::from_utf8(joined).unwrap(), text);
-    let im_end = tok.token_to_id("<|im_end|>").unwrap();
-    assert_eq!(
-        bytes[im_end as usize],
-        TokenBytes::Special("<|im_end|>".into())
-    );
+    // A constraint on the 262k vocabulary works the same way.
+    let m = trellm::load(&model_path("gemma-3-270m")).unwrap();
+    let c = m.constrainer().unwrap();
+    // gemma-3-270m is a base model without a chat template: a plain prompt.
+    let prompt = m
+        .tokenizer()
+        .unwrap()
+        .encode("Question: Is water wet?\nAnswer:", true)
+        .unwrap();
+    let mut r = Request {
+        prompt,
+        max_tokens: 8,
+        eos_ids: m.eos_ids(),
+        ..Default::default()
+    };
+    r.constraint = Some(c.compile(&Grammar::Regex("(Yes|No)".into())).unwrap());
+    let out = run_all(&m, vec![r]);
+    assert!(["Yes", "No"].contains(&out[0].0.as_str()), "{:?}", out[0]);
 }
 
 #[test]
