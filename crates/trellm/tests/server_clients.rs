@@ -449,3 +449,19 @@ fn sixty_four_streaming_clients_each_get_what_they_get_alone() {
         metric(srv.port, "trellm_kv_blocks_total")
     );
 }
+
+#[test]
+fn structured_output_and_tools_through_the_openai_client() {
+    let srv = serve(&[]);
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/server/structured.py");
+    let out = Command::new(python())
+        .args([script, &srv.base, "smollm2-135m-instruct"])
+        .output()
+        .expect("python with the openai package (see the module docs)");
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

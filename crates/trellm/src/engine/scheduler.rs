@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 use trellm_model::{Batch, BlockPool, BlockTable, ModelBackend, ModelConfig, Want};
 use trellm_tokenizer::{StreamDecoder, Tokenizer};
 
+use super::constraint::Constraint;
 use super::generate::{GenerationStats, Step};
 use super::prefix::PrefixCache;
 use super::sampler::{top_indices, Sampler, SamplerParams};
@@ -60,6 +61,9 @@ pub struct Request {
     pub eos_ids: Vec<u32>,
     /// Strings that end generation (not part of the text); need a tokenizer.
     pub stop: Vec<String>,
+    /// A grammar the output must follow (compiled with [`super::Constrainer`]); the sequence
+    /// ends with `Stop` once it is complete.
+    pub constraint: Option<Constraint>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -475,6 +479,14 @@ impl<'t> Engine<'t> {
                 continue;
             }
             let mut lp = mine[mine.len() - v..].to_vec();
+            if let Some(c) = s.req.constraint.as_mut() {
+                if let Err(e) = c.mask(&mut lp) {
+                    // Only this sequence is stuck; the others in the step go on.
+                    eprintln!("trellm: sequence {}: constrained decoding: {e}", s.id);
+                    ended.push((i, FinishReason::Stop));
+                    continue;
+                }
+            }
             s.sampler.logprobs(&mut lp, &s.history);
             let token = s.sampler.sample(&lp);
             let step = Step {
@@ -490,6 +502,16 @@ impl<'t> Engine<'t> {
             s.stats.generated_tokens += 1;
             s.history.push(token);
             let eos = s.req.eos_ids.contains(&token);
+            // The grammar sees every token but EOS (which only ever ends it).
+            let mut grammar_done = false;
+            if let (Some(c), false) = (s.req.constraint.as_mut(), eos) {
+                if let Err(e) = c.commit(token) {
+                    eprintln!("trellm: sequence {}: constrained decoding: {e}", s.id);
+                    grammar_done = true;
+                } else {
+                    grammar_done = c.is_finished();
+                }
+            }
             let mut text = String::new();
             if !eos {
                 if let Some(d) = s.decoder.as_mut() {
@@ -506,6 +528,8 @@ impl<'t> Engine<'t> {
                 ended.push((i, FinishReason::Stop));
             } else if let Some(m) = s.stops.matched() {
                 ended.push((i, FinishReason::StopString(m.to_string())));
+            } else if grammar_done {
+                ended.push((i, FinishReason::Stop));
             } else if s.stats.generated_tokens >= s.req.max_tokens {
                 ended.push((i, FinishReason::Length));
             } else if s.table.len() >= max_context {

@@ -25,6 +25,8 @@ pub struct LoadedModel {
     pub weight_bytes: usize,
     /// The sampling the model's files recommend.
     pub sampling: SamplingDefaults,
+    /// The grammar engine over this tokenizer, built on first use (constrained decoding).
+    constrainer: std::sync::OnceLock<std::result::Result<crate::engine::Constrainer, String>>,
 }
 
 pub fn load(path: &Path) -> Result<LoadedModel> {
@@ -87,6 +89,7 @@ fn load_gguf(path: &Path, with_tokenizer: bool) -> Result<LoadedModel> {
         tokenizer,
         weight_bytes,
         sampling,
+        constrainer: Default::default(),
     })
 }
 
@@ -116,6 +119,7 @@ fn load_hf(dir: &Path, with_tokenizer: bool) -> Result<LoadedModel> {
         tokenizer,
         weight_bytes,
         sampling,
+        constrainer: Default::default(),
     })
 }
 
@@ -160,6 +164,19 @@ impl LoadedModel {
                 self.path.display()
             )
         })
+    }
+
+    /// The grammar engine for this model's tokenizer (built once, on first call: about a
+    /// second for a 50k vocabulary).
+    pub fn constrainer(&self) -> Result<&crate::engine::Constrainer> {
+        self.constrainer
+            .get_or_init(|| {
+                let tok = self.tokenizer().map_err(|e| e.to_string())?;
+                crate::engine::Constrainer::new(tok, self.model.cfg.vocab, &self.eos_ids())
+                    .map_err(|e| e.to_string())
+            })
+            .as_ref()
+            .map_err(|e| anyhow!("constrained decoding is unavailable: {e}"))
     }
 
     pub fn has_tokenizer(&self) -> bool {

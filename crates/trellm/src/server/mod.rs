@@ -10,6 +10,7 @@ mod anthropic;
 mod api;
 mod metrics;
 mod openai;
+mod tools;
 mod worker;
 
 use std::future::IntoFuture;

@@ -19,6 +19,7 @@ use trellm_tokenizer::ChatMessage;
 use super::api::{
     collect, invalid_sampling, parse, request_id, start, ApiError, Choice, ChoiceUpdate, OneOrMany,
 };
+use super::tools::{self, CallFilter, Tools};
 use super::{authorized, unix_time, AppState};
 use crate::engine::{Request, SamplerParams, Step};
 
@@ -46,6 +47,10 @@ struct Part {
 struct Message {
     role: String,
     content: Option<Content>,
+    /// An assistant turn's calls, a tool turn's id and name (see `tools`).
+    tool_calls: Option<Value>,
+    tool_call_id: Option<String>,
+    name: Option<String>,
 }
 
 #[derive(Deserialize, Debug, Default)]
@@ -198,6 +203,7 @@ impl Sampling {
                 prompt_logprobs: 0,
                 eos_ids: s.model.eos_ids(),
                 stop: stop.clone(),
+                constraint: None,
             })
             .collect())
     }
@@ -319,39 +325,44 @@ pub async fn chat_completions(
 async fn chat(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
     let r: ChatRequest = parse(body)?;
     check_model(&s, &r.model)?;
-    match r
-        .response_format
-        .as_ref()
-        .and_then(|f| f.get("type"))
-        .and_then(Value::as_str)
-    {
-        None | Some("text") => {}
-        Some(other) => {
-            return Err(ApiError::invalid(format!(
-                "response_format '{other}' is not supported yet"
-            ))
-            .param("response_format"))
-        }
-    }
-    if r.tools
-        .as_ref()
-        .is_some_and(|t| !t.as_array().is_some_and(|a| a.is_empty()))
-        || r.tool_choice.as_ref().is_some_and(|c| c != "none")
-    {
-        return Err(ApiError::invalid("tools are not supported yet").param("tools"));
-    }
+    let plan = tools::plan(
+        &s,
+        r.response_format.as_ref(),
+        r.tools.as_ref(),
+        r.tool_choice.as_ref(),
+    )
+    .await?;
     if r.messages.is_empty() {
         return Err(ApiError::invalid("messages must not be empty").param("messages"));
     }
     let messages = r
         .messages
         .into_iter()
-        .map(|m| Ok(ChatMessage::new(m.role, text_of(m.content)?)))
+        .map(|m| {
+            Ok(tools::InMessage {
+                role: m.role,
+                content: text_of(m.content)?,
+                tool_calls: m.tool_calls,
+                tool_call_id: m.tool_call_id,
+                name: m.name,
+            })
+        })
         .collect::<Result<Vec<_>, ApiError>>()?;
-    let prompt = s
-        .model
-        .chat_prompt(&messages)
-        .map_err(|e| ApiError::invalid(e.to_string()).param("messages"))?;
+    let prompt = if tools::needs_json_render(&messages, plan.tools.as_ref()) {
+        let tok = s
+            .model
+            .tokenizer()
+            .map_err(|e| ApiError::invalid(e.to_string()))?;
+        tools::prompt_with_tools(tok, &messages, plan.tools.as_ref())?
+    } else {
+        let messages: Vec<ChatMessage> = messages
+            .into_iter()
+            .map(|m| ChatMessage::new(m.role, m.content))
+            .collect();
+        s.model
+            .chat_prompt(&messages)
+            .map_err(|e| ApiError::invalid(e.to_string()).param("messages"))?
+    };
     let top = r.top_logprobs.unwrap_or(0);
     if top > MAX_TOP_LOGPROBS {
         return Err(
@@ -360,9 +371,13 @@ async fn chat(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
         );
     }
     let want_lp = r.logprobs.unwrap_or(false);
-    let reqs = r
+    let mut reqs = r
         .sampling
         .requests(&s, prompt.clone(), if want_lp { top.max(1) } else { 0 })?;
+    for q in &mut reqs {
+        q.constraint.clone_from(&plan.constraint);
+    }
+    let call_tools = plan.tools.map(Arc::new);
     let id = request_id("chatcmpl-");
     let created = unix_time();
     if r.sampling.stream() {
@@ -375,6 +390,7 @@ async fn chat(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
             prompt.len(),
             r.sampling.include_usage(),
             want_lp.then_some(top),
+            call_tools,
         ));
     }
     let choices = collect(&s.worker, reqs).await?;
@@ -383,11 +399,12 @@ async fn chat(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
         .iter()
         .enumerate()
         .map(|(i, c)| {
+            let (message, called) = tools::chat_message(&c.text, call_tools.as_deref());
             json!({
                 "index": i,
-                "message": {"role": "assistant", "content": c.text},
+                "message": message,
                 "logprobs": want_lp.then(|| json!({"content": c.steps.iter().map(|st| chat_logprob(&s, st, top)).collect::<Vec<_>>()})),
-                "finish_reason": c.reason.as_ref().map(openai_reason),
+                "finish_reason": called.or(c.reason.as_ref().map(openai_reason)),
             })
         })
         .collect();
@@ -423,6 +440,7 @@ fn end_stream(tx: &SseSender, usage_chunk: Option<Value>) {
     let _ = tx.send(Ok(SseEvent::default().data("[DONE]")));
 }
 
+#[allow(clippy::too_many_arguments)] // one call site; a struct would only rename them
 fn stream_chat(
     s: Arc<AppState>,
     mut rx: tokio::sync::mpsc::UnboundedReceiver<(usize, ChoiceUpdate)>,
@@ -431,6 +449,7 @@ fn stream_chat(
     prompt_tokens: usize,
     include_usage: bool,
     logprobs: Option<usize>,
+    call_tools: Option<Arc<Tools>>,
 ) -> Response {
     let (tx, out) = tokio::sync::mpsc::unbounded_channel();
     // The merged receiver ends once every choice has ended.
@@ -439,6 +458,8 @@ fn stream_chat(
         let mut started = std::collections::HashSet::new();
         let mut completion = 0usize;
         let mut cached = 0usize;
+        // With tools, text that may be a call is held back per choice until it ends.
+        let mut filters: BTreeMap<usize, CallFilter> = BTreeMap::new();
         while let Some((i, u)) = rx.recv().await {
             if started.insert(i) {
                 let first = chunk(
@@ -449,8 +470,11 @@ fn stream_chat(
                 }
             }
             let msg = match u {
-                ChoiceUpdate::Token { step, text } => {
+                ChoiceUpdate::Token { step, mut text } => {
                     completion += 1;
+                    if call_tools.is_some() {
+                        text = filters.entry(i).or_default().push(&text);
+                    }
                     let lp = logprobs.map(|top| json!({"content": [chat_logprob(&s, &step, top)]}));
                     if text.is_empty() && lp.is_none() {
                         continue;
@@ -461,10 +485,18 @@ fn stream_chat(
                 }
                 ChoiceUpdate::Done {
                     reason,
-                    text,
+                    mut text,
                     cached: c,
                 } => {
                     cached = cached.max(c);
+                    let mut calls = Vec::new();
+                    if let Some(t) = &call_tools {
+                        let f = filters.entry(i).or_default();
+                        let pushed = f.push(&text);
+                        let (rest, found) = f.finish(t);
+                        text = pushed + &rest;
+                        calls = found;
+                    }
                     if !text.is_empty() {
                         let c = chunk(
                             json!([{"index": i, "delta": {"content": text}, "logprobs": null, "finish_reason": null}]),
@@ -473,8 +505,18 @@ fn stream_chat(
                             return;
                         }
                     }
+                    let mut finish = openai_reason(&reason);
+                    if !calls.is_empty() {
+                        let c = chunk(
+                            json!([{"index": i, "delta": tools::calls_delta(&calls), "logprobs": null, "finish_reason": null}]),
+                        );
+                        if tx.send(sse(&c)).is_err() {
+                            return;
+                        }
+                        finish = "tool_calls";
+                    }
                     chunk(
-                        json!([{"index": i, "delta": {}, "logprobs": null, "finish_reason": openai_reason(&reason)}]),
+                        json!([{"index": i, "delta": {}, "logprobs": null, "finish_reason": finish}]),
                     )
                 }
                 ChoiceUpdate::Failed(e) => {
