@@ -222,17 +222,19 @@ impl Tokenizer {
     }
 
     /// The chat rendered from JSON messages (which may carry `tool_calls`, `tool_call_id`, ...)
-    /// with an optional `tools` list, as `apply_chat_template(messages, tools=tools)`.
+    /// with an optional `tools` list and more template variables, as
+    /// `apply_chat_template(messages, tools=tools, **extra)`.
     pub fn apply_chat_template_json(
         &self,
         messages: &serde_json::Value,
         tools: Option<&serde_json::Value>,
         add_generation_prompt: bool,
+        extra: Option<&serde_json::Map<String, serde_json::Value>>,
     ) -> Result<String, TokenizerError> {
         self.template
             .as_ref()
             .ok_or(TokenizerError::NoChatTemplate)?
-            .render_json(messages, tools, add_generation_prompt)
+            .render_json(messages, tools, add_generation_prompt, extra)
     }
 
     /// The model's BOS token, if it has one (whether or not `encode` adds it: see [`Self::add_bos`]).

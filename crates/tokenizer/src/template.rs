@@ -540,12 +540,15 @@ impl ChatTemplate {
             .map(|t| t.source().to_string())
     }
 
-    /// `messages`: a JSON list of message objects (any fields); `tools`: a JSON list or none.
+    /// `messages`: a JSON list of message objects (any fields); `tools`: a JSON list or none;
+    /// `extra`: more template variables (a request's `chat_template_kwargs`, e.g.
+    /// `enable_thinking`), which never replace `messages`, `tools` or `add_generation_prompt`.
     pub(crate) fn render_json(
         &self,
         messages: &serde_json::Value,
         tools: Option<&serde_json::Value>,
         add_generation_prompt: bool,
+        extra: Option<&serde_json::Map<String, serde_json::Value>>,
     ) -> Result<String, TokenizerError> {
         if let Some(e) = &self.compile_error {
             return Err(TokenizerError::Template(e.clone()));
@@ -560,6 +563,9 @@ impl ChatTemplate {
             .iter()
             .map(|(k, v)| (k.clone(), Value::from(v.as_str())))
             .collect();
+        for (k, v) in extra.into_iter().flatten() {
+            ctx.insert(k.clone(), json_value(v));
+        }
         ctx.insert("messages".into(), json_value(messages));
         ctx.insert(
             "add_generation_prompt".into(),
@@ -615,9 +621,24 @@ mod tests {
         ]);
         let tools = serde_json::json!([{"type": "function"}, {"type": "function"}]);
         assert_eq!(
-            t.render_json(&msgs, Some(&tools), false).unwrap(),
+            t.render_json(&msgs, Some(&tools), false, None).unwrap(),
             "user:hi;assistant:[f {\"a\": 1}];2"
         );
+    }
+
+    #[test]
+    fn template_kwargs_are_variables_but_not_the_conversation() {
+        let t = ChatTemplate::new(
+            "{% if enable_thinking is false %}no-think {% endif %}{{ messages[0].content }}{{ add_generation_prompt }}",
+            BTreeMap::new(),
+        );
+        let msgs = serde_json::json!([{"role": "user", "content": "hi"}]);
+        let kw = serde_json::json!({"enable_thinking": false, "messages": [], "add_generation_prompt": false});
+        assert_eq!(
+            t.render_json(&msgs, None, true, kw.as_object()).unwrap(),
+            "no-think hitrue"
+        );
+        assert_eq!(t.render_json(&msgs, None, true, None).unwrap(), "hitrue");
     }
 
     #[test]

@@ -91,6 +91,8 @@ struct ChatRequest {
     response_format: Option<Value>,
     tools: Option<Value>,
     tool_choice: Option<Value>,
+    /// More variables for the chat template (e.g. `{"enable_thinking": false}`).
+    chat_template_kwargs: Option<serde_json::Map<String, Value>>,
     #[allow(dead_code)]
     user: Option<String>,
     // Accepted and ignored, as other local servers do.
@@ -348,12 +350,23 @@ async fn chat(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
             })
         })
         .collect::<Result<Vec<_>, ApiError>>()?;
-    let prompt = if tools::needs_json_render(&messages, plan.tools.as_ref()) {
+    let kwargs = r.chat_template_kwargs.as_ref();
+    if let Some(k) = kwargs.and_then(|k| {
+        ["messages", "tools", "add_generation_prompt"]
+            .into_iter()
+            .find(|&n| k.contains_key(n))
+    }) {
+        return Err(ApiError::invalid(format!(
+            "chat_template_kwargs cannot set '{k}': it has its own request field"
+        ))
+        .param("chat_template_kwargs"));
+    }
+    let prompt = if kwargs.is_some() || tools::needs_json_render(&messages, plan.tools.as_ref()) {
         let tok = s
             .model
             .tokenizer()
             .map_err(|e| ApiError::invalid(e.to_string()))?;
-        tools::prompt_with_tools(tok, &messages, plan.tools.as_ref())?
+        tools::prompt_with_tools(tok, &messages, plan.tools.as_ref(), kwargs)?
     } else {
         let messages: Vec<ChatMessage> = messages
             .into_iter()

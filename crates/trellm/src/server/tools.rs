@@ -525,17 +525,18 @@ pub fn needs_json_render(messages: &[InMessage], tools: Option<&Tools>) -> bool 
             .any(|m| m.role == "tool" || m.tool_calls.is_some())
 }
 
-/// The prompt ids of a conversation with tools.
+/// The prompt ids of a conversation with tools (and the request's `chat_template_kwargs`).
 pub fn prompt_with_tools(
     tok: &trellm_tokenizer::Tokenizer,
     messages: &[InMessage],
     tools: Option<&Tools>,
+    kwargs: Option<&serde_json::Map<String, Value>>,
 ) -> Result<Vec<u32>, ApiError> {
     let native = tok.template_uses_tools();
     let msgs = template_messages(messages, tools, native);
     let raw = tools.filter(|t| t.in_template).map(|t| &t.raw);
     let text = tok
-        .apply_chat_template_json(&msgs, raw, true)
+        .apply_chat_template_json(&msgs, raw, true, kwargs)
         .map_err(|e| ApiError::invalid(e.to_string()).param("messages"))?;
     tok.encode(&text, false)
         .map_err(|e| ApiError::invalid(e.to_string()).param("messages"))

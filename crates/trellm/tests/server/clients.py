@@ -25,6 +25,11 @@ assert c.finish_reason in ("stop", "length")
 assert r.usage.prompt_tokens > 0 and r.usage.completion_tokens > 0
 assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
 
+# chat_template_kwargs go to the template (SmolLM2's reads none of them: the same prompt).
+k = oa.chat.completions.create(model=model, messages=question, max_tokens=24, temperature=0,
+                               extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+assert k.choices[0].message.content == expected, (k.choices[0].message.content, expected)
+
 # Streaming: a role chunk, deltas, a finish chunk, a usage chunk, [DONE] (the client stops there).
 chunks = list(oa.chat.completions.create(
     model=model, messages=question, max_tokens=24, temperature=0, stream=True,
@@ -73,6 +78,7 @@ for bad, exc in [
     (dict(temperature=-1), openai.BadRequestError),
     (dict(max_tokens=10**7), openai.BadRequestError),
     (dict(messages=[]), openai.BadRequestError),
+    (dict(extra_body={"chat_template_kwargs": {"messages": []}}), openai.BadRequestError),
 ]:
     args = dict(model=model, messages=question, max_tokens=4)
     args.update(bad)
