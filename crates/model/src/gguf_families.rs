@@ -51,9 +51,12 @@ impl Meta<'_> {
             .ok_or_else(|| anyhow!("GGUF metadata lacks {}", self.key(k)))
     }
     /// A size in `1..=max`, refused with the key's name otherwise.
-    fn size(&self, k: &str, v: usize, max: usize) -> Result<usize> {
+    fn size(&self, k: &str, what: &str, v: usize, max: usize) -> Result<usize> {
         if v == 0 || v > max {
-            bail!("GGUF {} = {v} (must be between 1 and {max})", self.key(k));
+            bail!(
+                "GGUF {} = {v}: the model's {what} must be between 1 and {max}",
+                self.key(k)
+            );
         }
         Ok(v)
     }
@@ -210,16 +213,26 @@ pub fn from_gguf(g: &Gguf) -> Result<ModelConfig> {
 /// The sizes every family has, bounded before anything is sized by them.
 fn dims(m: &Meta, family: Family) -> Result<Dims> {
     let g = m.g;
-    let sized = |k: &str, max: usize| -> Result<usize> { m.size(k, m.usize(k)?, max) };
-    let hidden = sized("embedding_length", LIMITS.hidden)?;
-    let n_heads = sized("attention.head_count", LIMITS.heads)?;
+    let sized =
+        |k: &str, what: &str, max: usize| -> Result<usize> { m.size(k, what, m.usize(k)?, max) };
+    let hidden = sized("embedding_length", "hidden size", LIMITS.hidden)?;
+    let n_heads = sized(
+        "attention.head_count",
+        "number of attention heads",
+        LIMITS.heads,
+    )?;
     let n_kv_heads = match m.opt_usize("attention.head_count_kv")? {
-        Some(v) => m.size("attention.head_count_kv", v, LIMITS.heads)?,
+        Some(v) => m.size(
+            "attention.head_count_kv",
+            "number of key/value heads",
+            v,
+            LIMITS.heads,
+        )?,
         None => n_heads,
     };
     if !n_heads.is_multiple_of(n_kv_heads) {
         bail!(
-            "GGUF {} = {n_heads} is not a multiple of {} = {n_kv_heads}",
+            "GGUF {} = {n_heads} is not a multiple of {} = {n_kv_heads} (attention heads must group over key/value heads)",
             m.key("attention.head_count"),
             m.key("attention.head_count_kv")
         );
@@ -235,11 +248,11 @@ fn dims(m: &Meta, family: Family) -> Result<Dims> {
         );
     }
     let head_dim = match m.opt_usize("attention.key_length")? {
-        Some(v) => m.size("attention.key_length", v, LIMITS.head_dim)?,
+        Some(v) => m.size("attention.key_length", "head dimension", v, LIMITS.head_dim)?,
         None => check_size("head dimension", hidden / n_heads, LIMITS.head_dim)?,
     };
     let vocab = match m.opt_usize("vocab_size")? {
-        Some(v) => m.size("vocab_size", v, LIMITS.vocab)?,
+        Some(v) => m.size("vocab_size", "vocabulary size", v, LIMITS.vocab)?,
         None => g
             .tensor("token_embd.weight")
             .map(|t| t.rows_cols().0)
@@ -254,14 +267,23 @@ fn dims(m: &Meta, family: Family) -> Result<Dims> {
     let id = |k: &str| g.get_u64(k).and_then(|v| u32::try_from(v).ok());
     Ok(Dims {
         hidden,
-        intermediate: sized("feed_forward_length", LIMITS.intermediate)?,
+        intermediate: sized(
+            "feed_forward_length",
+            "intermediate size",
+            LIMITS.intermediate,
+        )?,
         n_heads,
         n_kv_heads,
         head_dim,
         vocab,
         n_layers,
         norm_eps: m.f32(eps_key)?,
-        max_context: m.size("context_length", m.usize("context_length")?, usize::MAX)?,
+        max_context: m.size(
+            "context_length",
+            "context length",
+            m.usize("context_length")?,
+            usize::MAX,
+        )?,
         bos_id: id("tokenizer.ggml.bos_token_id"),
         eos_ids: id("tokenizer.ggml.eos_token_id").into_iter().collect(),
     })
@@ -299,7 +321,7 @@ fn rope(m: &Meta, dims: usize, traditional: bool, max_context: usize) -> Result<
     let base = m.opt_f32("rope.freq_base")?.unwrap_or(10_000.0);
     if dims == 0 || !dims.is_multiple_of(2) {
         bail!(
-            "GGUF {} = {dims} (must be even and positive)",
+            "RoPE rotates {dims} dimensions (GGUF {}; must be even and positive)",
             m.key("rope.dimension_count")
         );
     }
@@ -348,7 +370,7 @@ fn phi3_rope(m: &Meta, dims: usize, max_context: usize) -> Result<Rope> {
     let base = m.opt_f32("rope.freq_base")?.unwrap_or(10_000.0) as f64;
     if dims == 0 || !dims.is_multiple_of(2) {
         bail!(
-            "GGUF {} = {dims} (must be even and positive)",
+            "RoPE rotates {dims} dimensions (GGUF {}; must be even and positive)",
             m.key("rope.dimension_count")
         );
     }
