@@ -183,9 +183,11 @@ pub struct TensorInfo {
     pub name: String,
     pub shape: Vec<u64>,
     pub ty: GgmlType,
-    /// Absolute offset of the data in the file.
+    /// Absolute offset of the data in its file.
     pub offset: usize,
     pub n_bytes: usize,
+    /// Which file of a split GGUF holds the data (0: the first, or the only one).
+    pub part: usize,
 }
 
 impl TensorInfo {
@@ -201,10 +203,12 @@ impl TensorInfo {
     }
 }
 
-/// An open GGUF file. Cheap to clone (the map is shared).
+/// An open GGUF file, or every part of one split as llama-gguf-split splits it
+/// (`NAME-00001-of-00003.gguf` ...). Cheap to clone (the maps are shared).
 #[derive(Clone)]
 pub struct Gguf {
-    map: Arc<memmap2::Mmap>,
+    /// One map per part, in part order.
+    maps: Vec<Arc<memmap2::Mmap>>,
     pub version: u32,
     pub metadata: BTreeMap<String, Value>,
     pub tensors: Vec<TensorInfo>,
@@ -399,7 +403,71 @@ impl Cursor<'_> {
 }
 
 impl Gguf {
+    /// Opens a GGUF file; given the first part of a split one, opens every part.
     pub fn open(path: &Path) -> Result<Self> {
+        let mut g = Self::open_one(path)?;
+        let count = g.get_u64("split.count").unwrap_or(1);
+        if count <= 1 {
+            return Ok(g);
+        }
+        let at = |m: String| corrupt(format!("{}: {m}", path.display()));
+        // Part names carry 5-digit numbers, so no split has more parts.
+        if count > 99_999 {
+            return Err(at(format!("split.count = {count} is out of range")));
+        }
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        let suffix = format!("-00001-of-{count:05}.gguf");
+        let no = g.get_u64("split.no").unwrap_or(0);
+        let Some(stem) = name.strip_suffix(&suffix).filter(|_| no == 0) else {
+            return Err(at(format!(
+                "part {} of a GGUF split in {count}: open its first part (a name ending in {suffix})",
+                no + 1
+            )));
+        };
+        for i in 1..count as usize {
+            let part_path = path.with_file_name(format!("{stem}-{:05}-of-{count:05}.gguf", i + 1));
+            if !part_path.exists() {
+                return Err(at(format!(
+                    "part {} of {count} is missing: {}",
+                    i + 1,
+                    part_path.display()
+                )));
+            }
+            let part = Self::open_one(&part_path)?;
+            if part.get_u64("split.no") != Some(i as u64)
+                || part.get_u64("split.count") != Some(count)
+            {
+                return Err(corrupt(format!(
+                    "{}: not part {} of {count} of this split (its split.no / split.count differ)",
+                    part_path.display(),
+                    i + 1
+                )));
+            }
+            for mut t in part.tensors {
+                t.part = i;
+                if g.by_name.insert(t.name.clone(), g.tensors.len()).is_some() {
+                    return Err(corrupt(format!(
+                        "{}: tensor {} appears in two parts",
+                        part_path.display(),
+                        quote(&t.name)
+                    )));
+                }
+                g.tensors.push(t);
+            }
+            g.maps.extend(part.maps);
+        }
+        if let Some(n) = g.get_u64("split.tensors.count") {
+            if n != g.tensors.len() as u64 {
+                return Err(at(format!(
+                    "split.tensors.count = {n}, but the parts hold {} tensors",
+                    g.tensors.len()
+                )));
+            }
+        }
+        Ok(g)
+    }
+
+    fn open_one(path: &Path) -> Result<Self> {
         let map = open_mmap(path)?;
         Self::parse(Arc::new(map)).map_err(|e| match e {
             FormatError::Corrupt(m) => FormatError::Corrupt(format!("{}: {m}", path.display())),
@@ -518,10 +586,11 @@ impl Gguf {
                 ty,
                 offset,
                 n_bytes,
+                part: 0,
             });
         }
         Ok(Gguf {
-            map,
+            maps: vec![map],
             version,
             metadata,
             tensors,
@@ -562,12 +631,16 @@ impl Gguf {
     pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
         self.by_name.get(name).map(|&i| &self.tensors[i])
     }
-    /// The tensor's bytes, borrowed from the map (bounds were checked at parse time).
+    /// The tensor's bytes, borrowed from its part's map (bounds were checked at parse time).
     pub fn data(&self, t: &TensorInfo) -> &[u8] {
-        &self.map[t.offset..t.offset + t.n_bytes]
+        &self.maps[t.part][t.offset..t.offset + t.n_bytes]
     }
-    /// The shared map, for weights that outlive this handle.
-    pub fn map(&self) -> &Arc<memmap2::Mmap> {
-        &self.map
+    /// The shared map holding `t`, for weights that outlive this handle.
+    pub fn map_of(&self, t: &TensorInfo) -> &Arc<memmap2::Mmap> {
+        &self.maps[t.part]
+    }
+    /// Bytes mapped, over every part.
+    pub fn mapped_bytes(&self) -> usize {
+        self.maps.iter().map(|m| m.len()).sum()
     }
 }

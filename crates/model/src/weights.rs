@@ -166,7 +166,7 @@ impl TensorSource {
                 if (r, c) != (rows, cols) {
                     bail!("tensor {name} is {r}x{c}, expected {rows}x{cols}");
                 }
-                Matrix::new(name, t.ty, r, c, g.map().clone(), t.offset)?
+                Matrix::new(name, t.ty, r, c, g.map_of(t).clone(), t.offset)?
             }
             TensorSource::SafeTensors(s) => {
                 let t = s
@@ -278,7 +278,7 @@ impl TensorSource {
                         t.n_elements()
                     );
                 }
-                Matrix::new(name, t.ty, 1, len, g.map().clone(), t.offset)?
+                Matrix::new(name, t.ty, 1, len, g.map_of(t).clone(), t.offset)?
             }
             TensorSource::SafeTensors(s) => {
                 let t = s

@@ -456,3 +456,51 @@ fn ggufs_that_disagree_with_their_tensors_are_one_line_errors() {
         );
     }
 }
+
+/// `split/` holds qwen2.Q8_0.gguf cut by llama.cpp's `llama-gguf-split --split
+/// --split-max-tensors 8` into four parts.
+#[test]
+fn split_ggufs_load_every_part() {
+    let whole = gguf_dir().join("qwen2.Q8_0.gguf");
+    let split = gguf_dir().join("split");
+    let first = split.join("qwen2.Q8_0-00001-of-00004.gguf");
+    let prompt = [1, 17, 42, 99, 3];
+    let want = generate(&whole, &prompt, 8, 5);
+    assert_eq!(generate(&first, &prompt, 8, 5), want, "the first part");
+    // The folder holding the parts names the same model.
+    assert_eq!(generate(&split, &prompt, 8, 5), want, "the folder");
+    // Another part, or a missing one: one line naming what to open or what is missing.
+    let (code, _, err) = common::run(&[
+        "generate",
+        "--model",
+        split
+            .join("qwen2.Q8_0-00002-of-00004.gguf")
+            .to_str()
+            .unwrap(),
+        "--prompt-ids",
+        "1",
+    ]);
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("part 2 of a GGUF split in 4") && err.contains("-00001-of-00004.gguf"),
+        "{err}"
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    for i in [1, 2, 4] {
+        let n = format!("qwen2.Q8_0-0000{i}-of-00004.gguf");
+        std::fs::copy(split.join(&n), tmp.path().join(&n)).unwrap();
+    }
+    let (code, _, err) = common::run(&[
+        "generate",
+        "--model",
+        tmp.path()
+            .join("qwen2.Q8_0-00001-of-00004.gguf")
+            .to_str()
+            .unwrap(),
+        "--prompt-ids",
+        "1",
+    ]);
+    assert_ne!(code, 0);
+    assert!(err.contains("part 3 of 4 is missing"), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+}

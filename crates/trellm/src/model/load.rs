@@ -48,6 +48,26 @@ pub fn load_with(path: &Path, tokenizer: bool) -> Result<LoadedModel> {
             .filter_map(|e| e.ok().map(|e| e.path()))
             .filter(|p| p.extension().is_some_and(|e| e == "gguf"))
             .collect();
+        // The parts of one split GGUF name one model: its first part.
+        let first_parts: Vec<&PathBuf> = ggufs
+            .iter()
+            .filter(|p| {
+                p.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.contains("-00001-of-"))
+            })
+            .collect();
+        if let [first] = first_parts.as_slice() {
+            let stem = first
+                .to_string_lossy()
+                .split("-00001-of-")
+                .next()
+                .unwrap_or("")
+                .to_string();
+            if ggufs.iter().all(|p| p.to_string_lossy().starts_with(&stem)) {
+                return load_gguf(first, tokenizer);
+            }
+        }
         return match ggufs.as_slice() {
             [one] => load_gguf(one, tokenizer),
             [] => bail!("{}: neither a config.json nor a .gguf file", path.display()),
@@ -80,7 +100,7 @@ fn load_gguf(path: &Path, with_tokenizer: bool) -> Result<LoadedModel> {
     let src = TensorSource::Gguf(g);
     let weights = Weights::load(&src, &cfg).with_context(|| path.display().to_string())?;
     let weight_bytes = match &src {
-        TensorSource::Gguf(g) => g.map().len(),
+        TensorSource::Gguf(g) => g.mapped_bytes(),
         TensorSource::SafeTensors(_) => 0,
     };
     Ok(LoadedModel {
