@@ -102,7 +102,12 @@ pub fn copy_bytes_per_s(gpu: &Gpu, reps: usize) -> Result<f64> {
 }
 
 /// Milliseconds of `f` on the stream, timed with events; median of `reps` after `warm` runs.
-pub fn time_ms(gpu: &Gpu, warm: usize, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+pub fn time_ms(
+    gpu: &Gpu,
+    warm: usize,
+    reps: usize,
+    mut f: impl FnMut() -> Result<()>,
+) -> Result<f64> {
     for _ in 0..warm {
         f()?;
     }

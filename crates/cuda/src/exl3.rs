@@ -154,7 +154,10 @@ impl Exl3Linear {
         bias: Option<&[f32]>,
     ) -> Result<Exl3Linear> {
         ensure!(
-            shape.k > 0 && shape.n > 0 && shape.k % 128 == 0 && shape.n % 128 == 0,
+            shape.k > 0
+                && shape.n > 0
+                && shape.k.is_multiple_of(128)
+                && shape.n.is_multiple_of(128),
             "EXL3 dimensions must be multiples of 128, got {}x{}",
             shape.k,
             shape.n
@@ -166,10 +169,24 @@ impl Exl3Linear {
             shape.k
         );
         shape.check_trellis(trellis)?;
-        ensure!(suh.len() == shape.k, "suh has {} values for k = {}", suh.len(), shape.k);
-        ensure!(svh.len() == shape.n, "svh has {} values for n = {}", svh.len(), shape.n);
+        ensure!(
+            suh.len() == shape.k,
+            "suh has {} values for k = {}",
+            suh.len(),
+            shape.k
+        );
+        ensure!(
+            svh.len() == shape.n,
+            "svh has {} values for n = {}",
+            svh.len(),
+            shape.n
+        );
         if let Some(b) = bias {
-            ensure!(b.len() == rows, "bias has {} values for {rows} outputs", b.len());
+            ensure!(
+                b.len() == rows,
+                "bias has {} values for {rows} outputs",
+                b.len()
+            );
         }
         Ok(Exl3Linear {
             shape,
@@ -335,7 +352,8 @@ mod tests {
                 })
                 .collect();
             let word = |i: i64| u32::from_le_bytes(tile[4 * i as usize..][..4].try_into().unwrap());
-            let funnel = |lo: u32, hi: u32, s: i64| ((((hi as u64) << 32) | lo as u64) << s >> 32) as u32;
+            let funnel =
+                |lo: u32, hi: u32, s: i64| ((((hi as u64) << 32) | lo as u64) << s >> 32) as u32;
             for lane in 0..32i64 {
                 let s0 = lane_start(lane);
                 let w: Vec<u32> = (0..nload)
