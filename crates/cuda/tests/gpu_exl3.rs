@@ -132,12 +132,18 @@ fn gpu_gemv(gpu: &Gpu, h: &Host, l: &Exl3Linear) -> Vec<f32> {
 
 /// Within f32 accumulation tolerance: relative L2 error and the largest error against the RMS.
 /// One wrong weight moves an output by about 1/sqrt(k) of its size, far above both bounds.
-fn assert_close(got: &[f32], want: &[f32], what: &str) {
-    assert_eq!(got.len(), want.len(), "{what}");
-    assert!(
-        got.iter().all(|v| v.is_finite()),
-        "{what}: non-finite output"
-    );
+/// Returns the failure, so a test reports every failing case at once.
+fn check_close(got: &[f32], want: &[f32], what: &str) -> Result<(), String> {
+    if got.len() != want.len() {
+        return Err(format!(
+            "{what}: {} outputs, expected {}",
+            got.len(),
+            want.len()
+        ));
+    }
+    if !got.iter().all(|v| v.is_finite()) {
+        return Err(format!("{what}: non-finite output"));
+    }
     let num: f64 = got
         .iter()
         .zip(want)
@@ -151,9 +157,22 @@ fn assert_close(got: &[f32], want: &[f32], what: &str) {
         .zip(want)
         .map(|(a, b)| (a - b).abs() as f64)
         .fold(0.0, f64::max);
+    eprintln!("{what}: relative L2 error {rel:.3e}, max error {max:.3e} (rms {rms:.3e})");
+    if rel < 2e-5 && max < 2e-4 * rms {
+        Ok(())
+    } else {
+        Err(format!(
+            "{what}: relative L2 error {rel:.3e}, max error {max:.3e} (rms {rms:.3e})"
+        ))
+    }
+}
+
+fn assert_none_failed(failures: Vec<String>) {
     assert!(
-        rel < 2e-5 && max < 2e-4 * rms,
-        "{what}: relative L2 error {rel:.3e}, max error {max:.3e} (rms {rms:.3e})"
+        failures.is_empty(),
+        "{} failures:\n{}",
+        failures.len(),
+        failures.join("\n")
     );
 }
 
@@ -174,6 +193,7 @@ fn label(h: &Host) -> String {
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on the GPU machine"]
 fn decode_is_bit_identical_to_the_codec() {
     let gpu = gpu();
+    let mut failures: Vec<String> = Vec::new();
     for (i, cb) in CODEBOOKS.into_iter().enumerate() {
         for (j, rate) in all_rates().into_iter().enumerate() {
             let h = host(256, 384, 256, 384, cb, rate, (100 * i + j) as u64);
@@ -201,6 +221,7 @@ fn decode_is_bit_identical_to_the_codec() {
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on the GPU machine"]
 fn gemv_matches_cpu_every_codebook_and_rate() {
     let gpu = gpu();
+    let mut failures: Vec<String> = Vec::new();
     for (i, cb) in CODEBOOKS.into_iter().enumerate() {
         for (j, rate) in all_rates().into_iter().enumerate() {
             for (s, &(k, n, cols, rows)) in [(256, 384, 256, 384), (640, 1024, 576, 1000)]
@@ -209,10 +230,13 @@ fn gemv_matches_cpu_every_codebook_and_rate() {
             {
                 let h = host(k, n, cols, rows, cb, rate, (1000 * s + 100 * i + j) as u64);
                 let l = h.upload(&gpu);
-                assert_close(&gpu_gemv(&gpu, &h, &l), &h.cpu(), &label(&h));
+                if let Err(e) = check_close(&gpu_gemv(&gpu, &h, &l), &h.cpu(), &label(&h)) {
+                    failures.push(e);
+                }
             }
         }
     }
+    assert_none_failed(failures);
 }
 
 /// The Llama-3.1-8B layer shapes (q/o, k/v, gate/up, down) at K = 2, 3, 4 for every codebook,
@@ -222,6 +246,7 @@ fn gemv_matches_cpu_every_codebook_and_rate() {
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on the GPU machine"]
 fn gemv_matches_cpu_llama_shapes() {
     let gpu = gpu();
+    let mut failures: Vec<String> = Vec::new();
     for (i, cb) in CODEBOOKS.into_iter().enumerate() {
         for kb in 2..=4u32 {
             for &(k, n) in &[(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096)] {
@@ -242,10 +267,13 @@ fn gemv_matches_cpu_llama_shapes() {
                     label(&h),
                     l.device_bytes()
                 );
-                assert_close(&gpu_gemv(&gpu, &h, &l), &h.cpu(), &label(&h));
+                if let Err(e) = check_close(&gpu_gemv(&gpu, &h, &l), &h.cpu(), &label(&h)) {
+                    failures.push(e);
+                }
             }
         }
     }
+    assert_none_failed(failures);
 }
 
 /// Bad parts are errors, not panics.
