@@ -199,20 +199,24 @@ fn decode_is_bit_identical_to_the_codec() {
             let h = host(256, 384, 256, 384, cb, rate, (100 * i + j) as u64);
             let got = h.upload(&gpu).dequant(&gpu).unwrap();
             let want = exl3::reconstruct_inner(&h.shape, &h.trellis).unwrap();
-            let bad = got
-                .iter()
-                .zip(&want)
-                .filter(|(g, w)| g.to_bits() != w.to_f32().to_bits())
-                .count();
-            assert_eq!(
-                bad,
-                0,
-                "{}: {bad} of {} weights differ",
-                label(&h),
-                want.len()
-            );
+            let bad: Vec<usize> = (0..want.len())
+                .filter(|&i| got[i].to_bits() != want[i].to_f32().to_bits())
+                .collect();
+            if let Some(&i) = bad.first() {
+                failures.push(format!(
+                    "{}: {} of {} weights differ, first at [{}][{}]: {} for {}",
+                    label(&h),
+                    bad.len(),
+                    want.len(),
+                    i / h.shape.n,
+                    i % h.shape.n,
+                    got[i],
+                    want[i]
+                ));
+            }
         }
     }
+    assert_none_failed(failures);
 }
 
 /// The GEMV against the CPU matmul for every codebook and bitrate, on a square layer and on a
