@@ -89,12 +89,30 @@ impl Exl3Kernels {
     }
 }
 
-/// Blocks the GEMV aims for per SM when it picks its split of the tile rows (measured default:
-/// `gpu_exl3::timing` sweeps it).
-pub const BLOCKS_PER_SM: usize = 8;
+/// Blocks the GEMV aims for per SM when it picks its split of the tile rows (`gpu_exl3::timing`
+/// sweeps it; H200 run 1: 16 and 32 tied as the fastest for the trellis kernel, 8-16 for the layer).
+pub const BLOCKS_PER_SM: usize = 16;
+
+/// Tile rows a split takes at most: its slice of the rotated input is staged in shared memory
+/// (`EXL3_MAX_TK` in exl3.cu).
+pub const MAX_TILES_PER_SPLIT: usize = 128;
 
 /// Tile rows a split takes at least (fewer would make the partial sums' traffic matter).
 const MIN_TILES_PER_SPLIT: usize = 4;
+
+/// The GEMV's split of a layer's tile rows: about `blocks_per_sm` blocks per SM, at least
+/// [`MIN_TILES_PER_SPLIT`] and at most [`MAX_TILES_PER_SPLIT`] tile rows a split (as far as the
+/// layer allows). Returns (splits, tile rows per split); the splits cover every tile row.
+pub fn split_for(shape: &Exl3Shape, sm_count: usize, blocks_per_sm: usize) -> (usize, usize) {
+    let tiles_k = shape.tiles_k().max(1);
+    let bands = (shape.n / 128).max(1);
+    let want = (sm_count * blocks_per_sm).div_ceil(bands);
+    let splits = want
+        .clamp(1, (tiles_k / MIN_TILES_PER_SPLIT).max(1))
+        .max(tiles_k.div_ceil(MAX_TILES_PER_SPLIT));
+    let per = tiles_k.div_ceil(splits);
+    (tiles_k.div_ceil(per), per)
+}
 
 /// An EXL3 linear layer on the device, compressed.
 pub struct Exl3Linear {
@@ -209,12 +227,7 @@ impl Exl3Linear {
 
     /// The split of the tile rows for `blocks_per_sm`: (splits, tile rows per split).
     pub fn split(&self, sm_count: usize, blocks_per_sm: usize) -> (usize, usize) {
-        let tiles_k = self.shape.tiles_k();
-        let bands = self.shape.n / 128;
-        let want = (sm_count * blocks_per_sm).div_ceil(bands);
-        let splits = want.clamp(1, (tiles_k / MIN_TILES_PER_SPLIT).max(1));
-        let per = tiles_k.div_ceil(splits);
-        (tiles_k.div_ceil(per), per)
+        split_for(&self.shape, sm_count, blocks_per_sm)
     }
 
     /// Partial sums the GEMV writes at `blocks_per_sm`.
@@ -282,6 +295,12 @@ impl Exl3Linear {
         splits: usize,
         per: usize,
     ) -> Result<()> {
+        // The kernel stages at most MAX_TILES_PER_SPLIT rows of xh a split.
+        ensure!(
+            (1..=MAX_TILES_PER_SPLIT).contains(&per) && splits * per >= self.shape.tiles_k(),
+            "a split of {splits} x {per} tile rows does not cover {} within {MAX_TILES_PER_SPLIT}",
+            self.shape.tiles_k()
+        );
         gpu.launch(
             &self.k.gemv,
             ((self.shape.n / 128) as u32, splits as u32, 1),
@@ -379,6 +398,71 @@ mod tests {
                         trellis::state(&tile, rate, p),
                         "rate {} lane {lane} j {j}",
                         rate.bits()
+                    );
+                }
+            }
+        }
+    }
+
+    /// The kernel's codebook arithmetic (`h2f_normal`, `round_f16`, `codebook` in exl3.cu:
+    /// integer and f32 steps, no fp16 conversions), mirrored here, gives the codec's value for
+    /// every state of every codebook, bit for bit.
+    #[test]
+    fn codebook_formulas_match_the_codec() {
+        let h2f =
+            |h: u32| f32::from_bits(((h & 0x8000) << 16) | (((h & 0x7FFF) << 13) + 0x3800_0000));
+        let round = |v: f32| {
+            let b = v.to_bits();
+            f32::from_bits((b + 0xFFF + ((b >> 13) & 1)) & 0xFFFF_E000)
+        };
+        for cb in [Codebook::Inst3, Codebook::Mcg, Codebook::Mul1] {
+            for x in 0..=u16::MAX as u32 {
+                let got = match cb {
+                    Codebook::Mul1 => {
+                        let p = x.wrapping_mul(0x83DC_D12D);
+                        let f =
+                            0x4B00_0400 + p.to_le_bytes().iter().map(|&b| b as u32).sum::<u32>();
+                        let h = f32::from_bits(f) - 8_388_608.0;
+                        round(h.mul_add(1774.0 / 262_144.0, -1329.0 / 128.0))
+                    }
+                    _ => {
+                        let m = if cb == Codebook::Inst3 {
+                            x.wrapping_mul(89_226_354).wrapping_add(64_248_484)
+                        } else {
+                            x.wrapping_mul(0xCBAC_1FED)
+                        };
+                        let m = (m & 0x8FFF_8FFF) ^ 0x3B60_3B60;
+                        round(h2f(m & 0xFFFF) + h2f(m >> 16))
+                    }
+                };
+                let want = trellm_quant::exl3::codebook::decode(cb, x as u16).to_f32();
+                assert_eq!(got.to_bits(), want.to_bits(), "{cb:?} state {x:#06x}");
+            }
+        }
+    }
+
+    #[test]
+    fn splits_cover_every_tile_row_within_the_staged_slice() {
+        for &(k, n) in &[
+            (128, 128),
+            (4096, 14336),
+            (14336, 4096),
+            (28672, 128),
+            (640, 1024),
+        ] {
+            let shape = Exl3Shape {
+                k,
+                n,
+                rate: Bitrate::int(3),
+                codebook: Codebook::Mul1,
+            };
+            for sm in [1, 132] {
+                for bps in [1, 2, 8, 16, 32, 1000] {
+                    let (splits, per) = split_for(&shape, sm, bps);
+                    assert!((1..=MAX_TILES_PER_SPLIT).contains(&per), "{k}x{n}: {per}");
+                    assert!(
+                        splits * per >= k / 16 && (splits - 1) * per < k / 16,
+                        "{k}x{n}"
                     );
                 }
             }
