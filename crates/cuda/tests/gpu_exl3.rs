@@ -11,6 +11,8 @@ use rand_chacha::ChaCha8Rng;
 
 use trellm_cuda::exl3::{Exl3Linear, Exl3Scratch, BLOCKS_PER_SM};
 use trellm_cuda::{bench, Gpu};
+use trellm_model::weights::{Linear, LinearWeight, TensorSource, Weights};
+use trellm_model::ModelConfig;
 use trellm_quant::exl3::{self, Bitrate, Codebook, Exl3Shape};
 
 fn gpu() -> Arc<Gpu> {
@@ -280,6 +282,73 @@ fn gemv_matches_cpu_llama_shapes() {
     assert_none_failed(failures);
 }
 
+/// Every EXL3 layer of the tiny exllamav3-converted llama folders (`oracle-data/exl3-tiny-llama`:
+/// 3INST 4.0, MCG 2.0, MUL1 2.5 and 3.0, padded dims, real suh/svh), uploaded from the loaded model
+/// as the engine would and run on the GPU, against the CPU matmul. `TRELLM_EXL3_TINY` points at
+/// the folder of folders (the device run carries a copy).
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on the GPU machine"]
+fn real_exl3_layers_match_cpu() {
+    let gpu = gpu();
+    let root = std::env::var_os("TRELLM_EXL3_TINY")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| "/work/shared/oracle-data/exl3-tiny-llama".into());
+    let mut dirs: Vec<_> = std::fs::read_dir(&root)
+        .unwrap_or_else(|e| panic!("{}: {e}", root.display()))
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.join("config.json").exists())
+        .collect();
+    dirs.sort();
+    assert!(
+        !dirs.is_empty(),
+        "no model folders under {}",
+        root.display()
+    );
+    let mut failures: Vec<String> = Vec::new();
+    let mut checked = 0;
+    let mut r = ChaCha8Rng::seed_from_u64(5);
+    for dir in dirs {
+        let config = trellm_formats::hf::read_config(&dir).unwrap();
+        let cfg = ModelConfig::from_hf(&config, None).unwrap();
+        let st = trellm_formats::safetensors::SafeTensors::open(&dir).unwrap();
+        let w = Weights::load(&TensorSource::SafeTensors(st), &cfg).unwrap();
+        let name = dir.file_name().unwrap().to_string_lossy().to_string();
+        for (l, lw) in w.layers.iter().enumerate() {
+            let mut projs: Vec<(&str, &Linear)> =
+                vec![("q", &lw.q), ("k", &lw.k), ("v", &lw.v), ("o", &lw.o)];
+            projs.extend(lw.gate.as_ref().map(|g| ("gate", g)));
+            projs.push(("up", &lw.up));
+            projs.push(("down", &lw.down));
+            for (pname, lin) in projs {
+                let LinearWeight::Exl3(e) = &lin.w else {
+                    continue;
+                };
+                let layer = Exl3Linear::upload(&gpu, e, lin.b.as_deref()).unwrap();
+                let x: Vec<f32> = (0..e.cols).map(|_| r.gen_range(-1.0f32..1.0)).collect();
+                let h = Host {
+                    shape: e.shape,
+                    rows: e.rows,
+                    cols: e.cols,
+                    trellis: e.trellis().to_vec(),
+                    suh: e.suh.clone(),
+                    svh: e.svh.clone(),
+                    bias: lin.b.clone().unwrap_or_else(|| vec![0.0; e.rows]),
+                    x,
+                };
+                let what = format!("{name} layer {l} {pname}: {}", label(&h));
+                if let Err(msg) = check_close(&gpu_gemv(&gpu, &h, &layer), &h.cpu(), &what) {
+                    failures.push(msg);
+                }
+                checked += 1;
+            }
+        }
+    }
+    eprintln!("{checked} EXL3 layers checked");
+    assert!(checked > 0, "no EXL3 layers in the folders");
+    assert_none_failed(failures);
+}
+
 /// Bad parts are errors, not panics.
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on the GPU machine"]
@@ -311,7 +380,8 @@ fn bad_parts_are_errors() {
     assert!(try_parts(odd, 256, 200, &h.trellis, &h.suh, &h.svh));
 }
 
-/// Kernel-only timing at the 8B MLP shapes, every codebook at K = 2, 3, 4: the trellis kernel
+/// Kernel-only timing at the 8B layer shapes (gate/up, down, q/o, k/v), every codebook at
+/// K = 2, 3, 4: the trellis kernel
 /// alone and the whole layer (both Hadamards included), each over enough copies of the layer that
 /// they do not fit in L2, in GB/s of trellis bytes and as a share of the device copy measured
 /// here. Sweeps the split's blocks per SM; checks nothing but that it runs.
@@ -340,7 +410,12 @@ fn timing() {
     ));
     for cb in CODEBOOKS {
         for kb in 2..=4u32 {
-            for &(k, n) in &[(4096usize, 14336usize), (14336, 4096)] {
+            for &(k, n) in &[
+                (4096usize, 14336usize),
+                (14336, 4096),
+                (4096, 4096),
+                (4096, 1024),
+            ] {
                 let h = host(k, n, k, n, cb, Bitrate::int(kb), 7);
                 let bytes = h.shape.trellis_bytes();
                 let copies = (400usize << 20).div_ceil(bytes).max(2);
