@@ -78,7 +78,18 @@ pub struct Exl3Kernels {
 
 impl Exl3Kernels {
     pub fn load(gpu: &Gpu, codebook: Codebook, rate: Bitrate) -> Result<Exl3Kernels> {
-        let d = defines(codebook, rate);
+        Self::load_with(gpu, codebook, rate, &[])
+    }
+
+    /// With `extra` defines (e.g. `EXL3_DEPTH=8`: the timing sweep's variants).
+    pub fn load_with(
+        gpu: &Gpu,
+        codebook: Codebook,
+        rate: Bitrate,
+        extra: &[String],
+    ) -> Result<Exl3Kernels> {
+        let mut d = defines(codebook, rate);
+        d.extend_from_slice(extra);
         let src: &KernelSource = &EXL3;
         Ok(Exl3Kernels {
             input: gpu.function(src, &d, "exl3_in")?,
@@ -216,6 +227,11 @@ impl Exl3Linear {
             bias: bias.map(|b| gpu.upload(b)).transpose()?,
             k: Exl3Kernels::load(gpu, shape.codebook, shape.rate)?,
         })
+    }
+
+    /// Runs with other kernels of the same codebook and bitrate (the timing sweep's variants).
+    pub fn set_kernels(&mut self, k: Exl3Kernels) {
+        self.k = k;
     }
 
     /// Bytes this layer holds on the device.

@@ -169,7 +169,9 @@ extern "C" __global__ void __launch_bounds__(128) exl3_in(const float* __restric
 
 // Tiles a warp has in flight: one at a time left the first kernel latency-bound (H200 run 1: the
 // same time at K = 2, 3, 4); fewer at high K, where a tile's words take more registers.
+#ifndef EXL3_DEPTH
 #define EXL3_DEPTH (EXL3_TWICE <= 4 ? 16 : (EXL3_TWICE <= 8 ? 8 : 4))
+#endif
 // Tile rows one split may take: its slice of xh is staged in shared memory (exl3.rs keeps the
 // split within it).
 #define EXL3_MAX_TK 128
