@@ -9,7 +9,7 @@ use std::sync::Arc;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use trellm_cuda::exl3::{Exl3Kernels, Exl3Linear, Exl3Scratch, BLOCKS_PER_SM};
+use trellm_cuda::exl3::{Exl3Linear, Exl3Scratch, BLOCKS_PER_SM};
 use trellm_cuda::{bench, Gpu};
 use trellm_model::weights::{Linear, LinearWeight, TensorSource, Weights};
 use trellm_model::ModelConfig;
@@ -419,7 +419,7 @@ fn timing() {
                 let h = host(k, n, k, n, cb, Bitrate::int(kb), 7);
                 let bytes = h.shape.trellis_bytes();
                 let copies = (400usize << 20).div_ceil(bytes).max(2);
-                let mut layers: Vec<Exl3Linear> = (0..copies).map(|_| h.upload(&gpu)).collect();
+                let layers: Vec<Exl3Linear> = (0..copies).map(|_| h.upload(&gpu)).collect();
                 let max_partial = [1, 2, 4, 8, 16, 32]
                     .iter()
                     .map(|&b| layers[0].partial_len(gpu.sm_count, b))
@@ -430,55 +430,27 @@ fn timing() {
                 let y = gpu.alloc::<f32>(n).unwrap();
                 let xh = gpu.alloc::<f32>(k).unwrap();
                 let part = gpu.alloc::<f32>(max_partial).unwrap();
-                // Tiles in flight per warp (EXL3_DEPTH): the default, then MUL1's alternatives
-                // at the MLP shapes.
-                let mut depths: Vec<Option<usize>> = vec![None];
-                if cb == Codebook::Mul1 && k.max(n) == 14336 {
-                    depths.extend([Some(4), Some(8), Some(16), Some(24)]);
-                }
-                for depth in depths {
-                    if let Some(d) = depth {
-                        let extra = [format!("EXL3_DEPTH={d}")];
-                        let load = || Exl3Kernels::load_with(&gpu, cb, h.shape.rate, &extra);
-                        // A variant that fails to build is reported, not fatal to the sweep.
-                        if let Err(e) = load() {
-                            emit(format!(
-                                "{{\"depth\": {d}, \"error\": {:?}}}",
-                                format!("{e:#}")
-                            ));
-                            continue;
+                for bps in [2usize, 4, 8, 16, 32] {
+                    let (splits, per) = layers[0].split(gpu.sm_count, bps);
+                    let inner = bench::time_ms(&gpu, 2, 7, || {
+                        for l in &layers {
+                            l.launch_inner(&gpu, gpu.ptr(&xh), gpu.ptr(&part), splits, per)?;
                         }
-                        for l in layers.iter_mut() {
-                            l.set_kernels(load().unwrap());
+                        Ok(())
+                    })
+                    .unwrap()
+                        / copies as f64;
+                    let full = bench::time_ms(&gpu, 2, 7, || {
+                        for l in &layers {
+                            l.gemv_with(&gpu, &s, gpu.ptr(&x), gpu.ptr(&y), bps)?;
                         }
-                    }
-                    let bps_list: &[usize] = if depth.is_some() {
-                        &[8, 16, 32]
-                    } else {
-                        &[2, 4, 8, 16, 32]
-                    };
-                    for &bps in bps_list {
-                        let (splits, per) = layers[0].split(gpu.sm_count, bps);
-                        let inner = bench::time_ms(&gpu, 2, 7, || {
-                            for l in &layers {
-                                l.launch_inner(&gpu, gpu.ptr(&xh), gpu.ptr(&part), splits, per)?;
-                            }
-                            Ok(())
-                        })
-                        .unwrap()
-                            / copies as f64;
-                        let full = bench::time_ms(&gpu, 2, 7, || {
-                            for l in &layers {
-                                l.gemv_with(&gpu, &s, gpu.ptr(&x), gpu.ptr(&y), bps)?;
-                            }
-                            Ok(())
-                        })
-                        .unwrap()
-                            / copies as f64;
-                        let gbs = |ms: f64| bytes as f64 / (ms * 1e-3) / 1e9;
-                        emit(format!(
-                        "{{\"codebook\": \"{cb:?}\", \"K\": {kb}, \"k\": {k}, \"n\": {n}, \"depth\": \"{}\", \"blocks_per_sm\": {bps}, \"splits\": {splits}, \"copies\": {copies}, \"kernel_us\": {:.2}, \"kernel_gb_s\": {:.1}, \"kernel_pct_copy\": {:.1}, \"layer_us\": {:.2}, \"layer_gb_s\": {:.1}, \"layer_pct_copy\": {:.1}}}",
-                        depth.map_or("default".to_string(), |d| d.to_string()),
+                        Ok(())
+                    })
+                    .unwrap()
+                        / copies as f64;
+                    let gbs = |ms: f64| bytes as f64 / (ms * 1e-3) / 1e9;
+                    emit(format!(
+                        "{{\"codebook\": \"{cb:?}\", \"K\": {kb}, \"k\": {k}, \"n\": {n}, \"blocks_per_sm\": {bps}, \"splits\": {splits}, \"copies\": {copies}, \"kernel_us\": {:.2}, \"kernel_gb_s\": {:.1}, \"kernel_pct_copy\": {:.1}, \"layer_us\": {:.2}, \"layer_gb_s\": {:.1}, \"layer_pct_copy\": {:.1}}}",
                         inner * 1e3,
                         gbs(inner),
                         100.0 * gbs(inner) * 1e9 / copy,
@@ -486,7 +458,6 @@ fn timing() {
                         gbs(full),
                         100.0 * gbs(full) * 1e9 / copy
                     ));
-                    }
                 }
             }
         }

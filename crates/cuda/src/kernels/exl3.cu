@@ -8,6 +8,13 @@
 // Three launches: exl3_in (x * suh, H128 -> xh), exl3_gemv (decode in registers, f32 partial sums
 // over a k-split), exl3_out (the partial sums in a fixed order, H128, * svh, + bias). The split is
 // summed in order, never with atomics, so runs are bit-identical.
+//
+// Measured on the H200 (scripts/gpu/results/2026-12-01-exl3-run1, -run2): ~34 us for a 4096x14336 layer at
+// K = 2, 3 and 4 and every codebook, so the cost is per weight (integer decode issue), not bytes.
+// Two changes measured slower and are not kept (run 2): the fp16 conversions replaced by integer
+// and f32 bit tricks (MUL1 42 us, 3INST/MCG 77 us: more work on the saturated integer pipe) and
+// 4-24 tiles in flight per warp with xh staged in shared memory (depth 4 best at 36 us; deeper
+// only cost occupancy).
 
 #ifndef EXL3_CB
 #define EXL3_CB 2
@@ -47,21 +54,16 @@ __host__ __device__ constexpr int lane_loads() {
 // Aligned words the 8 windows span.
 #define NALIGN ((pos_off(7) + 16 + 31) / 32)
 
-// The codec's fp16 values are made with integer and f32 ops only: the f16 <-> f32 conversions
-// (F2F) run at a quarter of the ALU rate on sm_90 and bounded the first kernel (H200 run 1: ~35 us
-// for a 4096x14336 layer at every K and codebook). The host test
-// `exl3::tests::codebook_formulas_match_the_codec` mirrors these on all 65536 states.
-
-// A normal fp16 (16 low bits of h) as f32: the sign moves up, the exponent is rebiased.
-__device__ __forceinline__ float h2f_normal(u32 h) {
-    return __uint_as_float(((h & 0x8000u) << 16) | (((h & 0x7FFFu) << 13) + 0x38000000u));
+__device__ __forceinline__ float h2f(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
 }
-// f32 rounded to 11 significant bits (nearest, ties to even): fp16's rounding for every value
-// whose fp16 is normal, and exact for the codebooks' values below that range (multiples of
-// 2^-18 with at most 4 significant bits, or 0).
+// Round to the nearest fp16 (even on ties), back as f32: the codec's fp16 values.
 __device__ __forceinline__ float round_f16(float v) {
-    const u32 b = __float_as_uint(v);
-    return __uint_as_float((b + 0xFFFu + ((b >> 13) & 1u)) & 0xFFFFE000u);
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    return h2f(h);
 }
 
 // The codebook's fp16 value of a 16-bit state, as f32 (codebook.rs: every step is exact in f32,
@@ -69,12 +71,10 @@ __device__ __forceinline__ float round_f16(float v) {
 __device__ __forceinline__ float codebook(u32 x) {
 #if EXL3_CB == 2
     const u32 p = x * 0x83DCD12Du;
-    // The byte sum lands in the mantissa of 2^23 (+ 1024): f - 2^23 is 1024 + s exactly.
-    u32 f;
-    asm("dp4a.u32.u32 %0, %1, %2, %3;" : "=r"(f) : "r"(p), "r"(0x01010101u), "r"(0x4B000400u));
-    const float h = __fsub_rn(__uint_as_float(f), 8388608.0f);
-    // fma(fp16(1024 + s), fp16 0x1EEE, fp16 0xC931): product and sum exact in f32.
-    return round_f16(__fmaf_rn(h, 1774.0f / 262144.0f, -1329.0f / 128.0f));
+    u32 s;
+    asm("dp4a.u32.u32 %0, %1, %2, %3;" : "=r"(s) : "r"(p), "r"(0x01010101u), "r"(0u));
+    // fma(fp16(1024 + s), fp16 0x1EEE, fp16 0xC931), exact in f32.
+    return round_f16(__fadd_rn(__fmul_rn((float)(1024u + s), 1774.0f / 262144.0f), -1329.0f / 128.0f));
 #else
 #if EXL3_CB == 0
     u32 m = x * 89226354u + 64248484u;
@@ -82,8 +82,7 @@ __device__ __forceinline__ float codebook(u32 x) {
     u32 m = x * 0xCBAC1FEDu;
 #endif
     m = (m & 0x8FFF8FFFu) ^ 0x3B603B60u;
-    // Both halves have exponents 12..15 (normal); their f32 sum is exact.
-    return round_f16(__fadd_rn(h2f_normal(m & 0xffffu), h2f_normal(m >> 16)));
+    return round_f16(__fadd_rn(h2f((unsigned short)(m & 0xffffu)), h2f((unsigned short)(m >> 16))));
 #endif
 }
 
@@ -167,15 +166,6 @@ extern "C" __global__ void __launch_bounds__(128) exl3_in(const float* __restric
     for (int i = 0; i < 4; i++) xh[blk * 128 + 4 * lane + i] = v[i];
 }
 
-// Tiles a warp has in flight: one at a time left the first kernel latency-bound (H200 run 1: the
-// same time at K = 2, 3, 4); fewer at high K, where a tile's words take more registers.
-#ifndef EXL3_DEPTH
-#define EXL3_DEPTH (EXL3_TWICE <= 4 ? 16 : (EXL3_TWICE <= 8 ? 8 : 4))
-#endif
-// Tile rows one split may take: its slice of xh is staged in shared memory (exl3.rs keeps the
-// split within it).
-#define EXL3_MAX_TK 128
-
 // partial[split][n]: sum over the split's tile rows of xh . W_inner. Grid (n / 128, splits),
 // 8 warps a block; warp w takes tile column 8 blockIdx.x + w, so a block reads 8 adjacent tiles
 // (contiguous bytes) per tile row. Lane L holds rows 2(L&3) + {0, 1, 8, 9} of columns L/4 and
@@ -185,42 +175,36 @@ extern "C" __global__ void __launch_bounds__(256) exl3_gemv(const u32* __restric
                                                             float* __restrict__ partial,
                                                             int tiles_k, int tiles_n,
                                                             int tk_per_split) {
-    __shared__ float xs[EXL3_MAX_TK * 16];
     const int lane = threadIdx.x & 31;
     const int tn = blockIdx.x * EXL3_WARPS + (threadIdx.x >> 5);
     const int tk0 = blockIdx.y * tk_per_split;
-    const int tk1 = min(min(tk0 + tk_per_split, tiles_k), tk0 + EXL3_MAX_TK);
-    for (int i = threadIdx.x; i < (tk1 - tk0) * 16; i += blockDim.x) xs[i] = xh[tk0 * 16 + i];
-    __syncthreads();
+    const int tk1 = min(tk0 + tk_per_split, tiles_k);
     const LaneWords g = lane_words(lane);
     const int row0 = 2 * (lane & 3);
     const long long stride = (long long)tiles_n * TILE_WORDS;
     const u32* t = trellis + ((long long)tk0 * tiles_n + tn) * TILE_WORDS;
     float acc0 = 0.0f, acc1 = 0.0f;
-    for (int tk = tk0; tk < tk1; tk += EXL3_DEPTH, t += EXL3_DEPTH * stride) {
-        // Every load of the chunk issued before any tile is decoded.
-        u32 w[EXL3_DEPTH][NLOAD];
+    u32 cur[NLOAD];
+    if (tk0 < tk1) load_words(t, g, cur);
+    for (int tk = tk0; tk < tk1; tk++) {
+        // The next tile's words in flight while this one decodes.
+        u32 nxt[NLOAD];
+        if (tk + 1 < tk1) load_words(t + stride, g, nxt);
+        t += stride;
+        float v[8];
+        decode8(cur, g.shift, v);
+        const float2 xa = __ldg((const float2*)(xh + 16 * tk + row0));
+        const float2 xb = __ldg((const float2*)(xh + 16 * tk + row0 + 8));
+        acc0 = fmaf(xa.x, v[0], acc0);
+        acc0 = fmaf(xa.y, v[1], acc0);
+        acc0 = fmaf(xb.x, v[2], acc0);
+        acc0 = fmaf(xb.y, v[3], acc0);
+        acc1 = fmaf(xa.x, v[4], acc1);
+        acc1 = fmaf(xa.y, v[5], acc1);
+        acc1 = fmaf(xb.x, v[6], acc1);
+        acc1 = fmaf(xb.y, v[7], acc1);
 #pragma unroll
-        for (int d = 0; d < EXL3_DEPTH; d++)
-            if (tk + d < tk1) load_words(t + d * stride, g, w[d]);
-#pragma unroll
-        for (int d = 0; d < EXL3_DEPTH; d++) {
-            if (tk + d < tk1) {
-                float v[8];
-                decode8(w[d], g.shift, v);
-                const float* x = xs + 16 * (tk + d - tk0) + row0;
-                const float2 xa = *(const float2*)x;
-                const float2 xb = *(const float2*)(x + 8);
-                acc0 = fmaf(xa.x, v[0], acc0);
-                acc0 = fmaf(xa.y, v[1], acc0);
-                acc0 = fmaf(xb.x, v[2], acc0);
-                acc0 = fmaf(xb.y, v[3], acc0);
-                acc1 = fmaf(xa.x, v[4], acc1);
-                acc1 = fmaf(xa.y, v[5], acc1);
-                acc1 = fmaf(xb.x, v[6], acc1);
-                acc1 = fmaf(xb.y, v[7], acc1);
-            }
-        }
+        for (int i = 0; i < NLOAD; i++) cur[i] = nxt[i];
     }
     // The 4 lanes of a column, in a fixed order.
     acc0 += __shfl_xor_sync(FULL_MASK, acc0, 1);
