@@ -89,8 +89,25 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// A device-to-device copy of 2 GiB, bytes read plus written per second (median of at least 5):
+/// the ceiling bandwidth-bound kernels are judged against.
+pub fn copy_bytes_per_s(gpu: &Gpu, reps: usize) -> Result<f64> {
+    let n = 1usize << 29;
+    let src = gpu.alloc::<u32>(n)?;
+    let mut dst = gpu.alloc::<u32>(n)?;
+    let ms = time_ms(gpu, 2, reps.max(5), || {
+        Ok(gpu.stream.memcpy_dtod(&src, &mut dst)?)
+    })?;
+    Ok(2.0 * (n * 4) as f64 / (ms * 1e-3))
+}
+
 /// Milliseconds of `f` on the stream, timed with events; median of `reps` after `warm` runs.
-fn time_ms(gpu: &Gpu, warm: usize, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+pub fn time_ms(
+    gpu: &Gpu,
+    warm: usize,
+    reps: usize,
+    mut f: impl FnMut() -> Result<()>,
+) -> Result<f64> {
     for _ in 0..warm {
         f()?;
     }
@@ -130,15 +147,7 @@ pub fn run(shape_name: &str, o: &BenchOptions) -> Result<BenchReport> {
     let gpu = Arc::new(Gpu::new(0)?);
 
     // Ceiling 1: device-to-device copy of 2 GiB.
-    let copy_bytes_per_s = {
-        let n = 1usize << 29;
-        let src = gpu.alloc::<u32>(n)?;
-        let mut dst = gpu.alloc::<u32>(n)?;
-        let ms = time_ms(&gpu, 2, reps.max(5), || {
-            Ok(gpu.stream.memcpy_dtod(&src, &mut dst)?)
-        })?;
-        2.0 * (n * 4) as f64 / (ms * 1e-3)
-    };
+    let copy_bytes_per_s = copy_bytes_per_s(&gpu, reps)?;
 
     // Ceiling 2: a large bf16 GEMM on random data.
     let (gemm_flops_bf16_out, gemm_flops_f32_out) = {

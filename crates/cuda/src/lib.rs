@@ -10,10 +10,12 @@
 //! - [`Gpu`]: one device, one stream, the compiled modules and a cuBLAS handle.
 //! - [`dense`]: the llama/gemma-style dense decoder over bf16 weights: cuBLAS GEMMs for prefill,
 //!   our own bandwidth-bound GEMV for decode, the whole decode step captured as one CUDA graph.
+//! - [`exl3`]: EXL3 trellis layers uploaded compressed, decoded in registers by the GEMV.
 //! - [`bench`]: synthetic seeded weights generated on the device and the decode/prefill benchmark.
 
 pub mod bench;
 pub mod dense;
+pub mod exl3;
 pub mod kernels;
 pub mod nvrtc;
 

@@ -23,7 +23,10 @@ fn variants(k: &KernelSource) -> Vec<Vec<String>> {
     if k.variants.is_empty() {
         vec![vec![]]
     } else {
-        k.variants.iter().map(|v| vec![v.to_string()]).collect()
+        k.variants
+            .iter()
+            .map(|v| v.split(',').map(str::to_string).collect())
+            .collect()
     }
 }
 

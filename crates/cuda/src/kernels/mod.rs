@@ -1,7 +1,7 @@
 //! CUDA C++ kernel sources, embedded in the binary. Each is compiled with [`PRELUDE`] in front
 //! (bf16 helpers, reductions, activations); see [`crate::nvrtc`].
 //!
-//! The Rust launchers for these kernels live in [`crate::dense`] and [`crate::bench`], next to the
+//! The Rust launchers for these kernels live in [`crate::dense`], [`crate::exl3`] and [`crate::bench`], next to the
 //! code that owns the buffers they run on.
 
 /// Definitions shared by every kernel source.
@@ -88,5 +88,14 @@ pub const GEMV: KernelSource = KernelSource {
     variants: &[],
 };
 
+/// EXL3 trellis layers (launcher: [`crate::exl3`]); one module per codebook x bitrate.
+pub const EXL3: KernelSource = KernelSource {
+    name: "exl3",
+    source: include_str!("exl3.cu"),
+    functions: &["exl3_in", "exl3_gemv", "exl3_out", "exl3_dequant"],
+    hot: true,
+    variants: crate::exl3::VARIANTS,
+};
+
 /// Every kernel source.
-pub const ALL: &[&KernelSource] = &[&ELEMENTWISE, &ROPE, &ATTENTION, &GEMV];
+pub const ALL: &[&KernelSource] = &[&ELEMENTWISE, &ROPE, &ATTENTION, &GEMV, &EXL3];

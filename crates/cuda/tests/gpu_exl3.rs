@@ -1,0 +1,465 @@
+//! GPU tests of the EXL3 kernels (`crates/cuda/src/exl3.rs`) against the CPU codec in the same
+//! binary, on random trellis words (every word is a valid code). Ignored here; run with
+//! `--include-ignored` on the GPU machine. `timing` prints (and with `TRELLM_RESULTS=<file>`
+//! appends as JSON lines) the kernel-only GB/s at the Llama-3.1-8B MLP shapes.
+
+use std::io::Write;
+use std::sync::Arc;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use trellm_cuda::exl3::{Exl3Linear, Exl3Scratch, BLOCKS_PER_SM};
+use trellm_cuda::{bench, Gpu};
+use trellm_model::weights::{Linear, LinearWeight, TensorSource, Weights};
+use trellm_model::ModelConfig;
+use trellm_quant::exl3::{self, Bitrate, Codebook, Exl3Shape};
+
+fn gpu() -> Arc<Gpu> {
+    assert!(
+        trellm_cuda::available(),
+        "{}",
+        trellm_cuda::unavailable_reason()
+    );
+    Arc::new(Gpu::new(0).expect("a usable device"))
+}
+
+const CODEBOOKS: [Codebook; 3] = [Codebook::Inst3, Codebook::Mcg, Codebook::Mul1];
+
+fn all_rates() -> Vec<Bitrate> {
+    (1..=8)
+        .map(Bitrate::int)
+        .chain((1..=3).map(Bitrate::half))
+        .collect()
+}
+
+/// A random layer: trellis words, suh/svh of random sign and size, a bias, the model's input.
+struct Host {
+    shape: Exl3Shape,
+    rows: usize,
+    cols: usize,
+    trellis: Vec<u8>,
+    suh: Vec<f32>,
+    svh: Vec<f32>,
+    bias: Vec<f32>,
+    x: Vec<f32>,
+}
+
+fn host(
+    k: usize,
+    n: usize,
+    cols: usize,
+    rows: usize,
+    cb: Codebook,
+    rate: Bitrate,
+    seed: u64,
+) -> Host {
+    let mut r = ChaCha8Rng::seed_from_u64(seed);
+    let shape = Exl3Shape {
+        k,
+        n,
+        rate,
+        codebook: cb,
+    };
+    let mut trellis = vec![0u8; shape.trellis_bytes()];
+    r.fill(&mut trellis[..]);
+    let scale = |len: usize, r: &mut ChaCha8Rng| -> Vec<f32> {
+        (0..len)
+            .map(|_| {
+                let s = if r.gen::<bool>() { 1.0 } else { -1.0 };
+                s * r.gen_range(0.5f32..1.5) / 64.0
+            })
+            .collect()
+    };
+    let suh = scale(k, &mut r);
+    let svh = scale(n, &mut r);
+    let bias = (0..rows).map(|_| r.gen_range(-0.1f32..0.1)).collect();
+    let x = (0..cols).map(|_| r.gen_range(-1.0f32..1.0)).collect();
+    Host {
+        shape,
+        rows,
+        cols,
+        trellis,
+        suh,
+        svh,
+        bias,
+        x,
+    }
+}
+
+impl Host {
+    fn upload(&self, gpu: &Gpu) -> Exl3Linear {
+        Exl3Linear::from_parts(
+            gpu,
+            self.shape,
+            self.rows,
+            self.cols,
+            &self.trellis,
+            &self.suh,
+            &self.svh,
+            Some(&self.bias),
+        )
+        .unwrap()
+    }
+
+    /// The CPU twin: the inputs zero-extended to k, the codec's tile matmul, the first `rows`
+    /// outputs plus the bias (as the CPU backend runs a padded layer).
+    fn cpu(&self) -> Vec<f32> {
+        let mut xp = vec![0.0f32; self.shape.k];
+        xp[..self.cols].copy_from_slice(&self.x);
+        let mut y = vec![0.0f32; self.shape.n];
+        exl3::matmul::matmul_tiles(
+            &self.shape,
+            &self.trellis,
+            &self.suh,
+            &self.svh,
+            &xp,
+            1,
+            &mut y,
+        );
+        y.truncate(self.rows);
+        y.iter_mut().zip(&self.bias).for_each(|(v, b)| *v += b);
+        y
+    }
+}
+
+fn gpu_gemv(gpu: &Gpu, h: &Host, l: &Exl3Linear) -> Vec<f32> {
+    let s = Exl3Scratch::new(gpu, h.shape.k, l.partial_len(gpu.sm_count, BLOCKS_PER_SM)).unwrap();
+    let x = gpu.upload(&h.x).unwrap();
+    let y = gpu.alloc::<f32>(h.rows).unwrap();
+    l.gemv(gpu, &s, gpu.ptr(&x), gpu.ptr(&y)).unwrap();
+    gpu.sync().unwrap();
+    gpu.stream.clone_dtoh(&y).unwrap()
+}
+
+/// Within f32 accumulation tolerance: relative L2 error and the largest error against the RMS.
+/// One wrong weight moves an output by about 1/sqrt(k) of its size, far above both bounds.
+/// Returns the failure, so a test reports every failing case at once.
+fn check_close(got: &[f32], want: &[f32], what: &str) -> Result<(), String> {
+    if got.len() != want.len() {
+        return Err(format!(
+            "{what}: {} outputs, expected {}",
+            got.len(),
+            want.len()
+        ));
+    }
+    if !got.iter().all(|v| v.is_finite()) {
+        return Err(format!("{what}: non-finite output"));
+    }
+    let num: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| ((a - b) as f64).powi(2))
+        .sum();
+    let den: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum();
+    let rms = (den / want.len() as f64).sqrt();
+    let rel = (num / den).sqrt();
+    let max = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| (a - b).abs() as f64)
+        .fold(0.0, f64::max);
+    eprintln!("{what}: relative L2 error {rel:.3e}, max error {max:.3e} (rms {rms:.3e})");
+    if rel < 2e-5 && max < 2e-4 * rms {
+        Ok(())
+    } else {
+        Err(format!(
+            "{what}: relative L2 error {rel:.3e}, max error {max:.3e} (rms {rms:.3e})"
+        ))
+    }
+}
+
+fn assert_none_failed(failures: Vec<String>) {
+    assert!(
+        failures.is_empty(),
+        "{} failures:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+fn label(h: &Host) -> String {
+    format!(
+        "{:?} K={} {}x{} (used {}x{})",
+        h.shape.codebook,
+        h.shape.rate.bits(),
+        h.shape.k,
+        h.shape.n,
+        h.cols,
+        h.rows
+    )
+}
+
+/// The decoded weights are the codec's, bit for bit, for every codebook and bitrate.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on the GPU machine"]
+fn decode_is_bit_identical_to_the_codec() {
+    let gpu = gpu();
+    let mut failures: Vec<String> = Vec::new();
+    for (i, cb) in CODEBOOKS.into_iter().enumerate() {
+        for (j, rate) in all_rates().into_iter().enumerate() {
+            let h = host(256, 384, 256, 384, cb, rate, (100 * i + j) as u64);
+            let got = h.upload(&gpu).dequant(&gpu).unwrap();
+            let want = exl3::reconstruct_inner(&h.shape, &h.trellis).unwrap();
+            let bad: Vec<usize> = (0..want.len())
+                .filter(|&i| got[i].to_bits() != want[i].to_f32().to_bits())
+                .collect();
+            if let Some(&i) = bad.first() {
+                failures.push(format!(
+                    "{}: {} of {} weights differ, first at [{}][{}]: {} for {}",
+                    label(&h),
+                    bad.len(),
+                    want.len(),
+                    i / h.shape.n,
+                    i % h.shape.n,
+                    got[i],
+                    want[i]
+                ));
+            }
+        }
+    }
+    assert_none_failed(failures);
+}
+
+/// The GEMV against the CPU matmul for every codebook and bitrate, on a square layer and on a
+/// padded one (576 inputs in 640, 1000 outputs in 1024, as exllamav3 pads to 128s).
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on the GPU machine"]
+fn gemv_matches_cpu_every_codebook_and_rate() {
+    let gpu = gpu();
+    let mut failures: Vec<String> = Vec::new();
+    for (i, cb) in CODEBOOKS.into_iter().enumerate() {
+        for (j, rate) in all_rates().into_iter().enumerate() {
+            for (s, &(k, n, cols, rows)) in [(256, 384, 256, 384), (640, 1024, 576, 1000)]
+                .iter()
+                .enumerate()
+            {
+                let h = host(k, n, cols, rows, cb, rate, (1000 * s + 100 * i + j) as u64);
+                let l = h.upload(&gpu);
+                if let Err(e) = check_close(&gpu_gemv(&gpu, &h, &l), &h.cpu(), &label(&h)) {
+                    failures.push(e);
+                }
+            }
+        }
+    }
+    assert_none_failed(failures);
+}
+
+/// The Llama-3.1-8B layer shapes (q/o, k/v, gate/up, down) at K = 2, 3, 4 for every codebook,
+/// and the device bytes of a layer: the file's trellis plus its vectors, never the dequantized
+/// size.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on the GPU machine"]
+fn gemv_matches_cpu_llama_shapes() {
+    let gpu = gpu();
+    let mut failures: Vec<String> = Vec::new();
+    for (i, cb) in CODEBOOKS.into_iter().enumerate() {
+        for kb in 2..=4u32 {
+            for &(k, n) in &[(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096)] {
+                let h = host(
+                    k,
+                    n,
+                    k,
+                    n,
+                    cb,
+                    Bitrate::int(kb),
+                    (10 * i) as u64 + kb as u64,
+                );
+                let l = h.upload(&gpu);
+                let file = h.shape.trellis_bytes() + 2 * (k + n) + 2 * n;
+                assert!(
+                    l.device_bytes() <= file + 2 * (k + 2 * n),
+                    "{}: {} device bytes for a {file}-byte layer",
+                    label(&h),
+                    l.device_bytes()
+                );
+                if let Err(e) = check_close(&gpu_gemv(&gpu, &h, &l), &h.cpu(), &label(&h)) {
+                    failures.push(e);
+                }
+            }
+        }
+    }
+    assert_none_failed(failures);
+}
+
+/// Every EXL3 layer of the tiny exllamav3-converted llama folders (`oracle-data/exl3-tiny-llama`:
+/// 3INST 4.0, MCG 2.0, MUL1 2.5 and 3.0, padded dims, real suh/svh), uploaded from the loaded model
+/// as the engine would and run on the GPU, against the CPU matmul. `TRELLM_EXL3_TINY` points at
+/// the folder of folders (the device run carries a copy).
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on the GPU machine"]
+fn real_exl3_layers_match_cpu() {
+    let gpu = gpu();
+    let root = std::env::var_os("TRELLM_EXL3_TINY")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| "/work/shared/oracle-data/exl3-tiny-llama".into());
+    let mut dirs: Vec<_> = std::fs::read_dir(&root)
+        .unwrap_or_else(|e| panic!("{}: {e}", root.display()))
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.join("config.json").exists())
+        .collect();
+    dirs.sort();
+    assert!(
+        !dirs.is_empty(),
+        "no model folders under {}",
+        root.display()
+    );
+    let mut failures: Vec<String> = Vec::new();
+    let mut checked = 0;
+    let mut r = ChaCha8Rng::seed_from_u64(5);
+    for dir in dirs {
+        let config = trellm_formats::hf::read_config(&dir).unwrap();
+        let cfg = ModelConfig::from_hf(&config, None).unwrap();
+        let st = trellm_formats::safetensors::SafeTensors::open(&dir).unwrap();
+        let w = Weights::load(&TensorSource::SafeTensors(st), &cfg).unwrap();
+        let name = dir.file_name().unwrap().to_string_lossy().to_string();
+        for (l, lw) in w.layers.iter().enumerate() {
+            let mut projs: Vec<(&str, &Linear)> =
+                vec![("q", &lw.q), ("k", &lw.k), ("v", &lw.v), ("o", &lw.o)];
+            projs.extend(lw.gate.as_ref().map(|g| ("gate", g)));
+            projs.push(("up", &lw.up));
+            projs.push(("down", &lw.down));
+            for (pname, lin) in projs {
+                let LinearWeight::Exl3(e) = &lin.w else {
+                    continue;
+                };
+                let layer = Exl3Linear::upload(&gpu, e, lin.b.as_deref()).unwrap();
+                let x: Vec<f32> = (0..e.cols).map(|_| r.gen_range(-1.0f32..1.0)).collect();
+                let h = Host {
+                    shape: e.shape,
+                    rows: e.rows,
+                    cols: e.cols,
+                    trellis: e.trellis().to_vec(),
+                    suh: e.suh.clone(),
+                    svh: e.svh.clone(),
+                    bias: lin.b.clone().unwrap_or_else(|| vec![0.0; e.rows]),
+                    x,
+                };
+                let what = format!("{name} layer {l} {pname}: {}", label(&h));
+                if let Err(msg) = check_close(&gpu_gemv(&gpu, &h, &layer), &h.cpu(), &what) {
+                    failures.push(msg);
+                }
+                checked += 1;
+            }
+        }
+    }
+    eprintln!("{checked} EXL3 layers checked");
+    assert!(checked > 0, "no EXL3 layers in the folders");
+    assert_none_failed(failures);
+}
+
+/// Bad parts are errors, not panics.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on the GPU machine"]
+fn bad_parts_are_errors() {
+    let gpu = gpu();
+    let h = host(256, 256, 256, 256, Codebook::Mul1, Bitrate::int(3), 1);
+    let try_parts = |shape: Exl3Shape, rows, cols, t: &[u8], suh: &[f32], svh: &[f32]| {
+        Exl3Linear::from_parts(&gpu, shape, rows, cols, t, suh, svh, None).is_err()
+    };
+    assert!(try_parts(
+        h.shape,
+        256,
+        256,
+        &h.trellis[1..],
+        &h.suh,
+        &h.svh
+    ));
+    assert!(try_parts(
+        h.shape,
+        256,
+        256,
+        &h.trellis,
+        &h.suh[1..],
+        &h.svh
+    ));
+    assert!(try_parts(h.shape, 257, 256, &h.trellis, &h.suh, &h.svh));
+    assert!(try_parts(h.shape, 0, 256, &h.trellis, &h.suh, &h.svh));
+    let odd = Exl3Shape { k: 200, ..h.shape };
+    assert!(try_parts(odd, 256, 200, &h.trellis, &h.suh, &h.svh));
+}
+
+/// Kernel-only timing at the 8B layer shapes (gate/up, down, q/o, k/v), every codebook at
+/// K = 2, 3, 4: the trellis kernel
+/// alone and the whole layer (both Hadamards included), each over enough copies of the layer that
+/// they do not fit in L2, in GB/s of trellis bytes and as a share of the device copy measured
+/// here. Sweeps the split's blocks per SM; checks nothing but that it runs.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on the GPU machine"]
+fn timing() {
+    let gpu = gpu();
+    let copy = bench::copy_bytes_per_s(&gpu, 10).unwrap();
+    let mut out = std::env::var_os("TRELLM_RESULTS").map(|p| {
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(p)
+            .unwrap()
+    });
+    let mut emit = |line: String| {
+        println!("{line}");
+        if let Some(f) = out.as_mut() {
+            writeln!(f, "{line}").unwrap();
+        }
+    };
+    emit(format!(
+        "{{\"device\": \"{}\", \"copy_gb_s\": {:.1}}}",
+        gpu.name,
+        copy / 1e9
+    ));
+    for cb in CODEBOOKS {
+        for kb in 2..=4u32 {
+            for &(k, n) in &[
+                (4096usize, 14336usize),
+                (14336, 4096),
+                (4096, 4096),
+                (4096, 1024),
+            ] {
+                let h = host(k, n, k, n, cb, Bitrate::int(kb), 7);
+                let bytes = h.shape.trellis_bytes();
+                let copies = (400usize << 20).div_ceil(bytes).max(2);
+                let layers: Vec<Exl3Linear> = (0..copies).map(|_| h.upload(&gpu)).collect();
+                let max_partial = [1, 2, 4, 8, 16, 32]
+                    .iter()
+                    .map(|&b| layers[0].partial_len(gpu.sm_count, b))
+                    .max()
+                    .unwrap();
+                let s = Exl3Scratch::new(&gpu, k, max_partial).unwrap();
+                let x = gpu.upload(&h.x).unwrap();
+                let y = gpu.alloc::<f32>(n).unwrap();
+                let xh = gpu.alloc::<f32>(k).unwrap();
+                let part = gpu.alloc::<f32>(max_partial).unwrap();
+                for bps in [2usize, 4, 8, 16, 32] {
+                    let (splits, per) = layers[0].split(gpu.sm_count, bps);
+                    let inner = bench::time_ms(&gpu, 2, 7, || {
+                        for l in &layers {
+                            l.launch_inner(&gpu, gpu.ptr(&xh), gpu.ptr(&part), splits, per)?;
+                        }
+                        Ok(())
+                    })
+                    .unwrap()
+                        / copies as f64;
+                    let full = bench::time_ms(&gpu, 2, 7, || {
+                        for l in &layers {
+                            l.gemv_with(&gpu, &s, gpu.ptr(&x), gpu.ptr(&y), bps)?;
+                        }
+                        Ok(())
+                    })
+                    .unwrap()
+                        / copies as f64;
+                    let gbs = |ms: f64| bytes as f64 / (ms * 1e-3) / 1e9;
+                    emit(format!(
+                        "{{\"codebook\": \"{cb:?}\", \"K\": {kb}, \"k\": {k}, \"n\": {n}, \"blocks_per_sm\": {bps}, \"splits\": {splits}, \"copies\": {copies}, \"kernel_us\": {:.2}, \"kernel_gb_s\": {:.1}, \"kernel_pct_copy\": {:.1}, \"layer_us\": {:.2}, \"layer_gb_s\": {:.1}, \"layer_pct_copy\": {:.1}}}",
+                        inner * 1e3,
+                        gbs(inner),
+                        100.0 * gbs(inner) * 1e9 / copy,
+                        full * 1e3,
+                        gbs(full),
+                        100.0 * gbs(full) * 1e9 / copy
+                    ));
+                }
+            }
+        }
+    }
+}
