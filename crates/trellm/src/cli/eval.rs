@@ -33,7 +33,8 @@ pub struct EvalArgs {
     pub chunks: Option<usize>,
     /// llama-perplexity's --ppl-stride: chunks of --ctx tokens start every N tokens and the
     /// last N of each are scored (no BOS). llama-perplexity's strided pass runs with a context
-    /// of its -c plus N/2: compare `-c C -b C --ppl-stride N` with `--ctx C+N/2 --stride N`.
+    /// of its -c plus N/2, rounded up to a multiple of 256 (its log's "Calculation chunk"):
+    /// `-c 512 --ppl-stride 256` there is `--ctx 768 --stride 256` here.
     #[arg(long, conflicts_with_all = ["save_logits", "kl_base"])]
     pub stride: Option<usize>,
     /// Print one JSON object: ppl, ppl_err, tokens (scored), text_tokens, chunks, ctx and, with
@@ -164,6 +165,9 @@ pub fn run(a: EvalArgs) -> Result<()> {
         );
     }
     let pb = progress(chunking.chunks, a.quiet);
+    // In a log with --json (no result lines), a progress line every few seconds instead.
+    let log_lines = a.json && !a.quiet && !std::io::stderr().is_terminal();
+    let mut last_line = Instant::now();
     let mut say = Say {
         on: !a.json,
         pb: &pb,
@@ -207,6 +211,15 @@ pub fn run(a: EvalArgs) -> Result<()> {
             }
         }
         pb.inc(1);
+        if log_lines && last_line.elapsed().as_secs() >= 5 {
+            last_line = Instant::now();
+            eprintln!(
+                "trellm eval: {}/{} chunks, {}",
+                c.index + 1,
+                chunking.chunks,
+                pb.message()
+            );
+        }
         Ok(())
     })?;
     pb.finish_and_clear();

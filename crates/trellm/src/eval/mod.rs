@@ -11,6 +11,9 @@
 //! BOS in the token list only after its forward pass, so the model sees the text's own first
 //! token; this does the same, to measure the same thing.
 //!
+//! One difference: special-token strings in the text (`<|im_start|>`) become their tokens here,
+//! where llama-perplexity tokenizes them as plain text; ordinary text (wikitext) has none.
+//!
 //! [`run_chunks`] drives a [`ModelBackend`] over the chunks and hands each chunk's scored logit
 //! rows to a callback; [`stats`] turns rows into negative log-likelihoods and KL divergences;
 //! [`logits_file`] saves and reads a reference model's distributions.
