@@ -1,7 +1,7 @@
 //! The decoder's switches, read from GGUF metadata or a Hugging Face `config.json`.
 //!
 //! One `ModelConfig` drives the one decoder; each family (`families.rs` for `config.json`,
-//! `from_gguf` here for GGUF) only says how its files map onto these switches.
+//! `gguf_families.rs` for GGUF) only says how its files map onto these switches.
 
 use anyhow::{anyhow, bail, Context, Result};
 use trellm_formats::gguf::Gguf;
@@ -133,106 +133,9 @@ impl ModelConfig {
         Ok(cfg)
     }
 
+    /// From GGUF metadata (see `gguf_families`).
     pub fn from_gguf(g: &Gguf) -> Result<Self> {
-        let arch = g
-            .architecture()
-            .ok_or_else(|| anyhow!("GGUF has no general.architecture"))?;
-        let family = match arch {
-            "llama" => Family::Llama,
-            "gemma3" => Family::Gemma3,
-            other => bail!(
-                "unsupported architecture '{}' in GGUF (supported in GGUF: llama, gemma3)",
-                trellm_formats::quote(other)
-            ),
-        };
-        let key = |k: &str| format!("{arch}.{k}");
-        let req = |k: &str| -> Result<usize> {
-            g.get_u64(&key(k))
-                .map(|v| v as usize)
-                .ok_or_else(|| anyhow!("GGUF metadata lacks {}", key(k)))
-        };
-        let hidden = req("embedding_length")?;
-        let n_heads = req("attention.head_count")?;
-        let n_kv_heads = g
-            .get_u64(&key("attention.head_count_kv"))
-            .map(|v| v as usize)
-            .unwrap_or(n_heads);
-        let n_layers = req("block_count")?;
-        // Every layer has tensors: a count beyond the file's tensors is corrupt (and would make
-        // the layer table as large as the number says).
-        if n_layers == 0 || n_layers > g.tensors.len() {
-            bail!(
-                "GGUF {} = {n_layers}, but the file has {} tensors",
-                key("block_count"),
-                g.tensors.len()
-            );
-        }
-        let head_dim = g
-            .get_u64(&key("attention.key_length"))
-            .map(|v| v as usize)
-            .unwrap_or(hidden / n_heads.max(1));
-        let vocab = match g.get_u64(&key("vocab_size")) {
-            Some(v) => v as usize,
-            None => g
-                .tensor("token_embd.weight")
-                .map(|t| t.rows_cols().0)
-                .ok_or_else(|| anyhow!("GGUF has no token_embd.weight"))?,
-        };
-        let norm_eps = g
-            .get_f32(&key("attention.layer_norm_rms_epsilon"))
-            .ok_or_else(|| {
-                anyhow!(
-                    "GGUF metadata lacks {}",
-                    key("attention.layer_norm_rms_epsilon")
-                )
-            })?;
-        let rope_base = g.get_f32(&key("rope.freq_base")).unwrap_or(10000.0);
-        let rope_dims = g
-            .get_u64(&key("rope.dimension_count"))
-            .map(|v| v as usize)
-            .unwrap_or(head_dim);
-        let linear_scale = match g.get_str(&key("rope.scaling.type")) {
-            Some("linear") => 1.0 / g.get_f32(&key("rope.scaling.factor")).unwrap_or(1.0),
-            Some("none") | None => 1.0,
-            Some(other) => bail!(
-                "unsupported rope scaling '{}' in GGUF",
-                trellm_formats::quote(other)
-            ),
-        };
-        let dims = Dims {
-            hidden,
-            intermediate: req("feed_forward_length")?,
-            n_heads,
-            n_kv_heads,
-            head_dim,
-            vocab,
-            n_layers,
-            norm_eps,
-            max_context: req("context_length")?,
-            bos_id: g.get_u64("tokenizer.ggml.bos_token_id").map(|v| v as u32),
-            eos_ids: g
-                .get_u64("tokenizer.ggml.eos_token_id")
-                .map(|v| vec![v as u32])
-                .unwrap_or_default(),
-        };
-        let cfg = match family {
-            Family::Gemma3 => {
-                let window = req("attention.sliding_window")?;
-                // llama.cpp's gemma3 GGUFs do not record these; they are fixed for the family.
-                let pattern = 6;
-                let local = Rope::plain(rope_dims, 10000.0, false, 1.0);
-                let global = Rope::plain(rope_dims, rope_base, false, linear_scale);
-                super::families::gemma3(dims, window, pattern, global, local, head_dim as f64)
-            }
-            _ => {
-                // GGUF llama Q/K rows are permuted for the traditional (interleaved) layout.
-                let rope = Rope::plain(rope_dims, rope_base, true, linear_scale);
-                let mut c = ModelConfig::llama_like(family, dims, Some(rope));
-                // GGUF files without output.weight tie it; the loader decides.
-                c.tied_embeddings = g.tensor("output.weight").is_none();
-                c
-            }
-        };
+        let cfg = super::gguf_families::from_gguf(g)?;
         cfg.validate()?;
         Ok(cfg)
     }

@@ -61,6 +61,56 @@ impl Fields<'_> {
     }
 }
 
+/// What every model of a family has, whichever file (config.json or GGUF) it comes from: llama's
+/// switches changed where the family differs. Each reader then sets what its file decides
+/// (tied head, optional biases, multipliers, RoPE, windows).
+pub fn family_layout(family: Family, d: Dims, rope: Option<Rope>) -> ModelConfig {
+    let hidden = d.hidden;
+    let mut c = ModelConfig::llama_like(family, d, rope);
+    match family {
+        Family::Llama | Family::SmolLM3 | Family::Granite => {}
+        Family::Qwen2 => c.qkv_bias = true,
+        Family::Qwen3 => c.qk_norm = QkNorm::PerHead,
+        Family::Gemma | Family::Gemma2 | Family::Gemma3 => {
+            c.norm_plus_one = true;
+            c.tied_embeddings = true;
+            c.activation = if family == Family::Gemma {
+                Activation::Gelu
+            } else {
+                Activation::GeluTanh
+            };
+            c.post_norms = family != Family::Gemma;
+            c.embed_scale = Some(if family == Family::Gemma3 {
+                // mlx-lm rounds gemma3's scale to bfloat16.
+                half::bf16::from_f32((hidden as f32).sqrt()).to_f32()
+            } else {
+                (hidden as f64).sqrt() as f32
+            });
+            if family == Family::Gemma3 {
+                c.qk_norm = QkNorm::PerHead;
+            }
+        }
+        Family::Phi3 => {
+            c.fused_qkv = true;
+            c.fused_gate_up = true;
+        }
+        Family::Olmo2 => {
+            c.pre_norms = false;
+            c.post_norms = true;
+            c.qk_norm = QkNorm::Whole;
+        }
+        Family::Starcoder2 => {
+            c.norm = Norm::Layer;
+            c.mlp = Mlp::Plain;
+            c.activation = Activation::Gelu;
+            c.qkv_bias = true;
+            c.o_bias = true;
+            c.mlp_bias = true;
+        }
+    }
+    c
+}
+
 /// Reads the sizes every family has. `head_dim`: the family's rule for it.
 fn dims(
     f: &Fields,
@@ -229,7 +279,7 @@ fn llama(f: &Fields, family: Family, ids: (Option<u32>, Vec<u32>)) -> Result<Mod
         Some(10000.0),
         f.opt_bool("rope_traditional")?.unwrap_or(false),
     )?;
-    let mut c = ModelConfig::llama_like(family, d, Some(r));
+    let mut c = family_layout(family, d, Some(r));
     let attention_bias = f.opt_bool("attention_bias")?.unwrap_or(false);
     c.qkv_bias = attention_bias;
     c.o_bias = attention_bias;
@@ -302,8 +352,7 @@ fn qwen2(f: &Fields, ids: (Option<u32>, Vec<u32>)) -> Result<ModelConfig> {
         Some(1_000_000.0),
         f.opt_bool("rope_traditional")?.unwrap_or(false),
     )?;
-    let mut c = ModelConfig::llama_like(Family::Qwen2, d, Some(r));
-    c.qkv_bias = true;
+    let mut c = family_layout(Family::Qwen2, d, Some(r));
     c.tied_embeddings = f.opt_bool("tie_word_embeddings")?.unwrap_or(true);
     Ok(c)
 }
@@ -330,8 +379,7 @@ fn qwen3(f: &Fields, ids: (Option<u32>, Vec<u32>)) -> Result<ModelConfig> {
         scaling,
         f.opt_usize("max_position_embeddings")?,
     )?;
-    let mut c = ModelConfig::llama_like(Family::Qwen3, d, Some(r));
-    c.qk_norm = QkNorm::PerHead;
+    let mut c = family_layout(Family::Qwen3, d, Some(r));
     c.tied_embeddings = f.bool("tie_word_embeddings")?;
     Ok(c)
 }
@@ -345,23 +393,21 @@ fn gemma(f: &Fields, ids: (Option<u32>, Vec<u32>)) -> Result<ModelConfig> {
         Some(10000.0),
         f.opt_bool("rope_traditional")?.unwrap_or(false),
     )?;
-    let hidden = d.hidden;
-    let mut c = ModelConfig::llama_like(Family::Gemma, d, Some(r));
-    c.norm_plus_one = true;
-    c.activation = Activation::Gelu;
-    c.embed_scale = Some((hidden as f64).sqrt() as f32);
-    c.tied_embeddings = true;
-    Ok(c)
+    Ok(family_layout(Family::Gemma, d, Some(r)))
 }
 
 /// gemma2: gemma with sandwich norms, tanh-GELU, attention and final logit soft-capping, and
 /// `query_pre_attn_scalar`. mlx-lm's gemma2 attends over the whole context in every layer
 /// (it does not read `sliding_window`), and so does this.
 fn gemma2(f: &Fields, ids: (Option<u32>, Vec<u32>)) -> Result<ModelConfig> {
-    let mut c = gemma(f, ids)?;
-    c.family = Family::Gemma2;
-    c.post_norms = true;
-    c.activation = Activation::GeluTanh;
+    let d = dims(f, HeadDim::Required, true, "rms_norm_eps", None, None, ids)?;
+    let r = rope(
+        f,
+        d.head_dim,
+        Some(10000.0),
+        f.opt_bool("rope_traditional")?.unwrap_or(false),
+    )?;
+    let mut c = family_layout(Family::Gemma2, d, Some(r));
     c.attn_scale = (1.0 / f.opt_f64("query_pre_attn_scalar")?.unwrap_or(144.0).sqrt()) as f32;
     c.attn_softcap = Some(f.opt_f64("attn_logit_softcapping")?.unwrap_or(50.0) as f32);
     c.final_softcap = Some(f.opt_f64("final_logit_softcapping")?.unwrap_or(30.0) as f32);
@@ -417,8 +463,7 @@ pub fn gemma3(
     local: Rope,
     query_pre_attn_scalar: f64,
 ) -> ModelConfig {
-    let hidden = d.hidden;
-    let mut c = ModelConfig::llama_like(Family::Gemma3, d, None);
+    let mut c = family_layout(Family::Gemma3, d, None);
     for (i, l) in c.layers.iter_mut().enumerate() {
         let sliding = (i + 1) % pattern != 0;
         l.sliding_window = sliding.then_some(window);
@@ -428,13 +473,7 @@ pub fn gemma3(
             global.clone()
         });
     }
-    c.norm_plus_one = true;
-    c.post_norms = true;
-    c.qk_norm = QkNorm::PerHead;
-    c.activation = Activation::GeluTanh;
-    c.embed_scale = Some(half::bf16::from_f32((hidden as f32).sqrt()).to_f32());
     c.attn_scale = query_pre_attn_scalar.powf(-0.5) as f32;
-    c.tied_embeddings = true;
     c
 }
 
@@ -462,9 +501,7 @@ fn phi3(f: &Fields, ids: (Option<u32>, Vec<u32>)) -> Result<ModelConfig> {
         f.opt_usize("original_max_position_embeddings")?
             .unwrap_or(4096),
     )?;
-    let mut c = ModelConfig::llama_like(Family::Phi3, d, Some(r));
-    c.fused_qkv = true;
-    c.fused_gate_up = true;
+    let mut c = family_layout(Family::Phi3, d, Some(r));
     c.tied_embeddings = f.opt_bool("tie_word_embeddings")?.unwrap_or(false);
     Ok(c)
 }
@@ -475,9 +512,6 @@ fn olmo2(f: &Fields, ids: (Option<u32>, Vec<u32>)) -> Result<ModelConfig> {
     for l in &mut c.layers {
         l.sliding_window = None;
     }
-    c.pre_norms = false;
-    c.post_norms = true;
-    c.qk_norm = QkNorm::Whole;
     Ok(c)
 }
 
@@ -488,7 +522,7 @@ fn granite(f: &Fields, ids: (Option<u32>, Vec<u32>)) -> Result<ModelConfig> {
     }
     let d = dims(f, HeadDim::Derived, true, "rms_norm_eps", None, None, ids)?;
     let r = rope(f, d.head_dim, None, false)?;
-    let mut c = ModelConfig::llama_like(Family::Granite, d, Some(r));
+    let mut c = family_layout(Family::Granite, d, Some(r));
     let attention_bias = f.bool("attention_bias")?;
     c.qkv_bias = attention_bias;
     c.o_bias = attention_bias;
@@ -514,13 +548,7 @@ fn starcoder2(f: &Fields, ids: (Option<u32>, Vec<u32>)) -> Result<ModelConfig> {
         ids,
     )?;
     let r = rope(f, d.head_dim, Some(100_000.0), false)?;
-    let mut c = ModelConfig::llama_like(Family::Starcoder2, d, Some(r));
-    c.norm = Norm::Layer;
-    c.mlp = Mlp::Plain;
-    c.activation = Activation::Gelu;
-    c.qkv_bias = true;
-    c.o_bias = true;
-    c.mlp_bias = true;
+    let mut c = family_layout(Family::Starcoder2, d, Some(r));
     c.tied_embeddings = f.opt_bool("tie_word_embeddings")?.unwrap_or(true);
     Ok(c)
 }

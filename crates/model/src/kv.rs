@@ -140,6 +140,39 @@ impl BlockPool {
         }
     }
 
+    /// A table over `blocks` (full blocks someone else holds, e.g. a cached prompt prefix),
+    /// sharing them.
+    pub fn share(&mut self, blocks: &[u32]) -> BlockTable {
+        for &b in blocks {
+            self.retain(b);
+        }
+        BlockTable {
+            blocks: blocks.to_vec(),
+            len: blocks.len() * self.block_size,
+        }
+    }
+
+    /// One more holder of block `b` (which must be in use).
+    pub fn retain(&mut self, b: u32) {
+        let r = &mut self.refs[b as usize];
+        assert!(*r > 0, "retaining a free block");
+        *r += 1;
+    }
+
+    /// One holder fewer of block `b`; it returns to the pool when none is left.
+    pub fn release_block(&mut self, b: u32) {
+        let r = &mut self.refs[b as usize];
+        *r -= 1;
+        if *r == 0 {
+            self.free.push(b);
+        }
+    }
+
+    /// How many tables (or other holders) hold block `b`.
+    pub fn holders(&self, b: u32) -> u32 {
+        self.refs[b as usize]
+    }
+
     /// Gives `t`'s blocks back (each returns to the pool when no table holds it).
     pub fn release(&mut self, t: BlockTable) {
         for b in t.blocks {

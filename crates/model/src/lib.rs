@@ -1,10 +1,11 @@
 //! The model described once, below every backend: each family's configuration (`config`,
-//! `families`), RoPE with mlx's own float math (`rope`, `mlx_math`), the weight descriptors
+//! `families` for config.json, `gguf_families` for GGUF), RoPE with mlx's own float math (`rope`, `mlx_math`), the weight descriptors
 //! borrowed from the file's memory map (`weights`), the per-layer op list both backends execute
 //! (`plan`), and the contract of a batched step over a paged KV cache (`step`, `kv`).
 
 pub mod config;
 pub mod families;
+pub mod gguf_families;
 pub mod kv;
 pub mod mlx_math;
 pub mod plan;

@@ -116,6 +116,23 @@ impl Rope {
         }
     }
 
+    /// Plain RoPE whose pair `i` turns `factors[i]` times slower (GGUF's `rope_freqs` tensor, which
+    /// llama.cpp's converter writes for llama3 scaling): periods `base^(2i/dims) * factors[i]`.
+    pub fn with_factors(dims: usize, base: f32, traditional: bool, factors: &[f32]) -> Rope {
+        let freqs = periods(dims, dims, base)
+            .into_iter()
+            .zip(factors)
+            .map(|(p, f)| p * f)
+            .collect();
+        Rope {
+            dims,
+            traditional,
+            position_scale: 1.0,
+            input_scale: None,
+            freqs: Freqs::Table(freqs),
+        }
+    }
+
     /// mlx-lm's `initialize_rope(dims, base, traditional, scaling_config, max_position_embeddings)`.
     pub fn new(
         dims: usize,

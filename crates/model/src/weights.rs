@@ -516,7 +516,11 @@ impl Weights {
             let fused_qkv = fused(cfg.fused_qkv, Role::Q, "q/k/v")?;
             let fused_gate_up = fused(cfg.fused_gate_up, Role::Gate, "gate/up")?;
             let (q, k, v) = if fused_qkv {
-                let n = format!("model.layers.{l}.self_attn.qkv_proj.weight");
+                let n = if gguf {
+                    format!("blk.{l}.attn_qkv.weight")
+                } else {
+                    format!("model.layers.{l}.self_attn.qkv_proj.weight")
+                };
                 let m = src.matrix(&n, q_rows + 2 * kv_rows, h)?;
                 let part = |start, rows| Linear {
                     w: LinearWeight::Ggml(m.rows_view(start, rows)),
@@ -537,7 +541,12 @@ impl Weights {
             let (gate, up) = match (cfg.mlp, fused_gate_up) {
                 (Mlp::Plain, _) => (None, linear(&nm(Role::Up), ff, h, cfg.mlp_bias)?),
                 (Mlp::Gated, true) => {
-                    let n = format!("model.layers.{l}.mlp.gate_up_proj.weight");
+                    // GGUF keeps phi3's fused gate/up under the up projection's name.
+                    let n = if gguf {
+                        format!("blk.{l}.ffn_up.weight")
+                    } else {
+                        format!("model.layers.{l}.mlp.gate_up_proj.weight")
+                    };
                     let m = src.matrix(&n, 2 * ff, h)?;
                     let part = |start| Linear {
                         w: LinearWeight::Ggml(m.rows_view(start, ff)),

@@ -8,6 +8,7 @@
 //!
 //! Chat templates are rendered like transformers' `apply_chat_template(tokenize=False)`.
 
+mod bytes;
 mod gguf;
 mod hf;
 mod spm;
@@ -16,6 +17,7 @@ mod template;
 
 use std::path::Path;
 
+pub use bytes::TokenBytes;
 pub use stream::StreamDecoder;
 pub use template::ChatMessage;
 
@@ -207,6 +209,32 @@ impl Tokenizer {
             .as_ref()
             .ok_or(TokenizerError::NoChatTemplate)?
             .render(messages, add_generation_prompt)
+    }
+
+    /// The chat template's source, if it has a usable one.
+    pub fn chat_template_source(&self) -> Option<String> {
+        self.template.as_ref().and_then(|t| t.source())
+    }
+
+    /// Whether the chat template takes a `tools` list itself.
+    pub fn template_uses_tools(&self) -> bool {
+        self.template.as_ref().is_some_and(|t| t.uses_tools())
+    }
+
+    /// The chat rendered from JSON messages (which may carry `tool_calls`, `tool_call_id`, ...)
+    /// with an optional `tools` list and more template variables, as
+    /// `apply_chat_template(messages, tools=tools, **extra)`.
+    pub fn apply_chat_template_json(
+        &self,
+        messages: &serde_json::Value,
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+        extra: Option<&serde_json::Map<String, serde_json::Value>>,
+    ) -> Result<String, TokenizerError> {
+        self.template
+            .as_ref()
+            .ok_or(TokenizerError::NoChatTemplate)?
+            .render_json(messages, tools, add_generation_prompt, extra)
     }
 
     /// The model's BOS token, if it has one (whether or not `encode` adds it: see [`Self::add_bos`]).

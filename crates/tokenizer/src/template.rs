@@ -503,6 +503,85 @@ fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
     era * 146_097 + doe - 719_468
 }
 
+/// A JSON value as a template value (objects keep their key order).
+fn json_value(v: &serde_json::Value) -> Value {
+    use serde_json::Value as J;
+    match v {
+        J::Null => Value::from(()),
+        J::Bool(b) => Value::from(*b),
+        J::Number(n) => match (n.as_i64(), n.as_u64()) {
+            (Some(i), _) => Value::from(i),
+            (_, Some(u)) => Value::from(u),
+            _ => Value::from(n.as_f64().unwrap_or(f64::NAN)),
+        },
+        J::String(s) => Value::from(s.as_str()),
+        J::Array(a) => Value::from(a.iter().map(json_value).collect::<Vec<_>>()),
+        J::Object(o) => Value::from_pairs(o.iter().map(|(k, v)| (k.as_str(), json_value(v)))),
+    }
+}
+
+/// Rendering with structured messages and tools (OpenAI's `tool_calls` / `role: "tool"`
+/// messages, a `tools` list), as transformers' `apply_chat_template(messages, tools=...)`.
+impl ChatTemplate {
+    /// Whether the template reads a `tools` variable (otherwise tool definitions must travel
+    /// in a message).
+    pub(crate) fn uses_tools(&self) -> bool {
+        self.source().is_some_and(|s| s.contains("tools"))
+    }
+
+    /// The template's source (none when it failed to compile).
+    pub(crate) fn source(&self) -> Option<String> {
+        if self.compile_error.is_some() {
+            return None;
+        }
+        self.env
+            .get_template(NAME)
+            .ok()
+            .map(|t| t.source().to_string())
+    }
+
+    /// `messages`: a JSON list of message objects (any fields); `tools`: a JSON list or none;
+    /// `extra`: more template variables (a request's `chat_template_kwargs`, e.g.
+    /// `enable_thinking`), which never replace `messages`, `tools` or `add_generation_prompt`.
+    pub(crate) fn render_json(
+        &self,
+        messages: &serde_json::Value,
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+        extra: Option<&serde_json::Map<String, serde_json::Value>>,
+    ) -> Result<String, TokenizerError> {
+        if let Some(e) = &self.compile_error {
+            return Err(TokenizerError::Template(e.clone()));
+        }
+        if messages.as_array().is_none_or(|m| m.is_empty()) {
+            return Err(TokenizerError::Template(
+                "cannot render an empty conversation".into(),
+            ));
+        }
+        let mut ctx: BTreeMap<String, Value> = self
+            .vars
+            .iter()
+            .map(|(k, v)| (k.clone(), Value::from(v.as_str())))
+            .collect();
+        for (k, v) in extra.into_iter().flatten() {
+            ctx.insert(k.clone(), json_value(v));
+        }
+        ctx.insert("messages".into(), json_value(messages));
+        ctx.insert(
+            "add_generation_prompt".into(),
+            Value::from(add_generation_prompt),
+        );
+        ctx.insert("tools".into(), tools.map_or(Value::from(()), json_value));
+        ctx.insert("documents".into(), Value::from(()));
+        let tmpl = self
+            .env
+            .get_template(NAME)
+            .map_err(|e| TokenizerError::Template(one_line(&e)))?;
+        tmpl.render(ctx)
+            .map_err(|e| TokenizerError::Template(one_line(&e)))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -527,6 +606,39 @@ mod tests {
             strftime("%A %B %-d, %I %p %j", t),
             "Thursday February 29, 01 PM 060"
         );
+    }
+
+    #[test]
+    fn json_messages_and_tools_render() {
+        let t = ChatTemplate::new(
+            "{% for m in messages %}{{ m.role }}:{{ m.content }}{% for c in m.tool_calls or [] %}[{{ c.function.name }} {{ c.function.arguments | tojson }}]{% endfor %};{% endfor %}{{ tools | length }}",
+            BTreeMap::new(),
+        );
+        assert!(t.uses_tools());
+        let msgs = serde_json::json!([
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}}]},
+        ]);
+        let tools = serde_json::json!([{"type": "function"}, {"type": "function"}]);
+        assert_eq!(
+            t.render_json(&msgs, Some(&tools), false, None).unwrap(),
+            "user:hi;assistant:[f {\"a\": 1}];2"
+        );
+    }
+
+    #[test]
+    fn template_kwargs_are_variables_but_not_the_conversation() {
+        let t = ChatTemplate::new(
+            "{% if enable_thinking is false %}no-think {% endif %}{{ messages[0].content }}{{ add_generation_prompt }}",
+            BTreeMap::new(),
+        );
+        let msgs = serde_json::json!([{"role": "user", "content": "hi"}]);
+        let kw = serde_json::json!({"enable_thinking": false, "messages": [], "add_generation_prompt": false});
+        assert_eq!(
+            t.render_json(&msgs, None, true, kw.as_object()).unwrap(),
+            "no-think hitrue"
+        );
+        assert_eq!(t.render_json(&msgs, None, true, None).unwrap(), "hitrue");
     }
 
     #[test]

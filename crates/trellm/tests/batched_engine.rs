@@ -260,6 +260,7 @@ fn a_full_pool_makes_requests_wait_or_refuses_them() {
         max_seqs: 8,
         kv_blocks: 6,
         prefill_chunk: 16,
+        prefix_cache: true,
     };
     let mut e = Engine::new(m.model.clone(), None, o).unwrap();
     let too_big = Request {
@@ -364,4 +365,113 @@ fn default_model_batch_matches_alone() {
     for i in 0..8 {
         assert_same("smollm2", i, &alone[i], &together[i]);
     }
+}
+
+/// Submits `req` and steps `e` until it ends: what it produced and its cached prompt tokens.
+fn drive(e: &mut Engine, req: &Request) -> (Outcome, usize) {
+    let id = e.submit(req.clone()).unwrap();
+    let mut o = Outcome::default();
+    let mut cached = None;
+    while cached.is_none() {
+        for ev in e.step().unwrap() {
+            match ev {
+                Event::Token { id: i, step, .. } if i == id => {
+                    o.ids.push(step.token);
+                    o.top.push(step.top);
+                }
+                Event::Done {
+                    id: i,
+                    reason,
+                    stats,
+                    ..
+                } if i == id => {
+                    o.reason = Some(reason);
+                    cached = Some(stats.cached_tokens);
+                }
+                _ => {}
+            }
+        }
+    }
+    (o, cached.unwrap())
+}
+
+#[test]
+fn the_prefix_cache_reuses_blocks_and_keeps_the_results() {
+    // gemma3: sliding-window layers read cached blocks too.
+    for name in ["llama", "gemma3", "qwen3"] {
+        let m = load(&fixture(name)).unwrap();
+        let vocab = m.model.cfg.vocab;
+        let shared: Vec<u32> = (0..40).map(|j| ((j * 7 + 3) % vocab) as u32).collect();
+        let mut reqs: Vec<Request> = (0..3)
+            .map(|i| {
+                let mut prompt = shared.clone();
+                prompt.extend((0..5 + i).map(|j| ((j * 11 + i * 3 + 1) % vocab) as u32));
+                Request {
+                    prompt,
+                    max_tokens: 12,
+                    logprobs: 4,
+                    ..Default::default()
+                }
+            })
+            .collect();
+        // Chunks of 64: a cached prefix of 32 starts the rest of a prompt mid-chunk.
+        let warm_opts = EngineOptions {
+            prefill_chunk: 64,
+            ..EngineOptions::for_sequences(2, 128)
+        };
+        let cold_opts = EngineOptions {
+            prefix_cache: false,
+            ..warm_opts.clone()
+        };
+        let mut e = Engine::new(m.model.clone(), None, warm_opts).unwrap();
+        let first = drive(&mut e, &reqs[0]).0;
+        // A follow-up turn: the first request's prompt and reply, then more.
+        let mut turn = reqs[0].prompt.clone();
+        turn.extend(&first.ids);
+        turn.extend([5, 6, 7].map(|t| t % vocab as u32));
+        reqs.push(Request {
+            prompt: turn,
+            ..reqs[0].clone()
+        });
+        for (i, r) in reqs.iter().enumerate().skip(1) {
+            let mut cold_engine = Engine::new(m.model.clone(), None, cold_opts.clone()).unwrap();
+            let (cold, none) = drive(&mut cold_engine, r);
+            assert_eq!(none, 0);
+            let (warm, cached) = drive(&mut e, r);
+            let expect = if i < 3 { 32 } else { 48 };
+            assert_eq!(cached, expect, "{name}: request {i}: cached tokens");
+            // The rest of the prompt runs in other chunk shapes than without the cache (and a
+            // cached reply was decoded a token at a time): rounding moves, ids do not.
+            assert_same(name, i, &cold, &warm);
+        }
+        let (free, total) = e.kv_blocks();
+        assert_eq!(free, total, "cached blocks nobody uses count as free");
+        assert!(e.cached_blocks() > 0);
+    }
+}
+
+#[test]
+fn cached_blocks_are_evicted_when_the_pool_needs_them() {
+    let m = load(&fixture("llama")).unwrap();
+    let vocab = m.model.cfg.vocab;
+    // 6 blocks: each request needs 3; the cache fills the pool and must give way.
+    let o = EngineOptions {
+        max_seqs: 2,
+        kv_blocks: 6,
+        prefill_chunk: 16,
+        prefix_cache: true,
+    };
+    let mut e = Engine::new(m.model.clone(), None, o).unwrap();
+    for i in 0..8 {
+        let r = Request {
+            prompt: (0..34).map(|j| ((i * 31 + j * 5) % vocab) as u32).collect(),
+            max_tokens: 10,
+            ..Default::default()
+        };
+        let (out, cached) = drive(&mut e, &r);
+        assert_eq!(out.reason, Some(FinishReason::Length));
+        assert_eq!(cached, 0);
+        assert!(e.cached_blocks() <= 6);
+    }
+    assert_eq!(e.kv_blocks(), (6, 6));
 }

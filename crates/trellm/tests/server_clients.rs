@@ -28,15 +28,26 @@ impl Drop for Server {
     }
 }
 
-fn serve(extra: &[&str]) -> Server {
+/// `trellm serve --port 0 ARGS`, with its stderr to read.
+fn spawn_serve(args: &[&str]) -> (Child, BufReader<std::process::ChildStderr>) {
     let mut child = trellm()
-        .args(["serve", "--port", "0", "--max-seqs", "16"])
-        .args(extra)
+        .args(["serve", "--port", "0"])
+        .args(args)
         .stderr(Stdio::piped())
         .stdout(Stdio::null())
         .spawn()
         .unwrap();
-    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let err = BufReader::new(child.stderr.take().unwrap());
+    (child, err)
+}
+
+fn serve(extra: &[&str]) -> Server {
+    let seqs: &[&str] = if extra.contains(&"--max-seqs") {
+        &[]
+    } else {
+        &["--max-seqs", "16"]
+    };
+    let (child, mut err) = spawn_serve(&[seqs, extra].concat());
     let mut line = String::new();
     let deadline = Instant::now() + Duration::from_secs(120);
     let base = loop {
@@ -70,11 +81,27 @@ fn python() -> PathBuf {
 
 /// A raw HTTP/1.1 request; returns the status and the body.
 fn http(port: u16, method: &str, path: &str, body: &[u8]) -> (u16, String) {
+    let (head, body) = http_with(
+        port,
+        &format!("{method} {path} HTTP/1.1\r\ncontent-type: application/json"),
+        body,
+    );
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    (status, body)
+}
+
+/// A raw request from its first lines (request line and headers); returns the response head
+/// (lowercased) and the body.
+fn http_with(port: u16, head: &str, body: &[u8]) -> (String, String) {
     let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
     write!(
         s,
-        "{method} {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        "{head}\r\nhost: x\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
         body.len()
     )
     .unwrap();
@@ -82,13 +109,21 @@ fn http(port: u16, method: &str, path: &str, body: &[u8]) -> (u16, String) {
     let mut out = Vec::new();
     let _ = s.read_to_end(&mut out);
     let text = String::from_utf8_lossy(&out).to_string();
-    let status = text
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let body = text.split("\r\n\r\n").nth(1).unwrap_or("").to_string();
-    (status, body)
+    let (h, b) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    (h.to_ascii_lowercase(), b.to_string())
+}
+
+/// Posts a chat request on a connection kept open (a stream the test reads or drops).
+fn post_chat(port: u16, body: &[u8]) -> TcpStream {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(
+        s,
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    )
+    .unwrap();
+    s.write_all(body).unwrap();
+    s
 }
 
 fn generate_greedy() -> String {
@@ -212,15 +247,7 @@ fn clients_that_disconnect_mid_stream_free_their_blocks() {
     let body = br#"{"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 400, "stream": true}"#;
     let mut streams = Vec::new();
     for _ in 0..32 {
-        let mut s = TcpStream::connect(("127.0.0.1", p)).unwrap();
-        write!(
-            s,
-            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
-            body.len()
-        )
-        .unwrap();
-        s.write_all(body).unwrap();
-        streams.push(s);
+        streams.push(post_chat(p, body));
     }
     // Read a little of each stream, then hang up.
     for s in &mut streams {
@@ -244,4 +271,197 @@ fn clients_that_disconnect_mid_stream_free_their_blocks() {
         assert!(Instant::now() < deadline, "blocks were not freed");
         std::thread::sleep(Duration::from_millis(100));
     }
+}
+
+#[test]
+fn the_port_answers_while_loading_and_sigterm_ends_running_streams_with_exit_0() {
+    let (mut child, mut err) = spawn_serve(&["--shutdown-grace", "1"]);
+    let mut line = String::new();
+    err.read_line(&mut line).unwrap();
+    // The first line names the bound address before the model is loaded.
+    let addr = line
+        .split("listening on ")
+        .nth(1)
+        .and_then(|r| r.split(';').next())
+        .unwrap_or_else(|| panic!("no address in {line:?}"));
+    let port: u16 = addr.rsplit(':').next().unwrap().parse().unwrap();
+    let (status, body) = http(port, "GET", "/health", b"");
+    match status {
+        503 => assert!(body.contains("loading"), "{body}"),
+        200 => {}
+        other => panic!("/health during loading: {other} {body}"),
+    }
+    loop {
+        line.clear();
+        assert!(err.read_line(&mut line).unwrap() > 0, "the server exited");
+        if line.contains("http://") {
+            break;
+        }
+    }
+    std::thread::spawn(move || std::io::copy(&mut err, &mut std::io::sink()));
+    assert_eq!(http(port, "GET", "/health", b"").0, 200);
+    // A stream that would run for minutes, then SIGTERM: cancelled after the grace, exit 0.
+    let body = br#"{"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 3000, "stream": true, "temperature": 0.8}"#;
+    let mut s = post_chat(port, body);
+    let mut buf = [0u8; 256];
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    assert!(s.read(&mut buf).unwrap() > 0);
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let t = Instant::now();
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "no exit after SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "{status:?}");
+}
+
+#[test]
+fn a_full_queue_gets_503_with_retry_after_and_cors_only_for_allowed_origins() {
+    let srv = serve(&[
+        "--max-seqs",
+        "1",
+        "--max-queue",
+        "1",
+        "--allowed-origins",
+        "http://app.example",
+    ]);
+    let p = srv.port;
+    let long = br#"{"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 2000, "stream": true, "temperature": 0.8}"#;
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        held.push(post_chat(p, long));
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while metric(p, "trellm_requests_running") + metric(p, "trellm_requests_waiting") < 2 {
+        assert!(Instant::now() < deadline, "the streams never ran");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let ok = br#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}"#;
+    let (head, body) = http_with(
+        p,
+        "POST /v1/chat/completions HTTP/1.1\r\ncontent-type: application/json",
+        ok,
+    );
+    assert!(head.starts_with("http/1.1 503"), "{head}\n{body}");
+    assert!(head.contains("retry-after:"), "{head}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["error"]["type"], "overloaded_error");
+    drop(held);
+    // The queue drains; the server serves again.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let (status, _) = http(p, "POST", "/v1/chat/completions", ok);
+        if status == 200 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "still refused: {status}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // CORS: the allowed origin gets a preflight answer, another origin does not.
+    let preflight = |origin: &str| {
+        http_with(
+            p,
+            &format!(
+                "OPTIONS /v1/chat/completions HTTP/1.1\r\norigin: {origin}\r\naccess-control-request-method: POST\r\naccess-control-request-headers: content-type"
+            ),
+            b"",
+        )
+        .0
+    };
+    let allowed = preflight("http://app.example");
+    assert!(
+        allowed.contains("access-control-allow-origin: http://app.example"),
+        "{allowed}"
+    );
+    assert!(!preflight("http://evil.example").contains("access-control-allow-origin"));
+}
+
+#[test]
+fn metrics_count_tokens_latencies_and_prefix_cache_hits() {
+    let srv = serve(&[]);
+    let p = srv.port;
+    let (_, plain) = http_with(p, "GET /metrics HTTP/1.1", b"");
+    assert!(!plain.contains("access-control"));
+    let req = br#"{"messages": [{"role": "system", "content": "You are a helpful assistant who answers in one short sentence, always."}, {"role": "user", "content": "Name a color."}], "max_tokens": 6, "temperature": 0}"#;
+    let (status, first) = http(p, "POST", "/v1/chat/completions", req);
+    assert_eq!(status, 200, "{first}");
+    let (status, second) = http(p, "POST", "/v1/chat/completions", req);
+    assert_eq!(status, 200, "{second}");
+    let a: serde_json::Value = serde_json::from_str(&first).unwrap();
+    let b: serde_json::Value = serde_json::from_str(&second).unwrap();
+    assert_eq!(a["choices"][0]["message"], b["choices"][0]["message"]);
+    let cached = b["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap() as usize;
+    let prompt = b["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
+    assert_eq!(a["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    // Every full block but the one holding the last prompt token.
+    assert_eq!(cached, (prompt - 1) / 16 * 16, "{second}");
+    assert_eq!(metric(p, "trellm_prefix_cache_hit_tokens_total"), cached);
+    assert_eq!(metric(p, "trellm_requests_finished_total"), 2);
+    assert_eq!(metric(p, "trellm_prompt_tokens_total"), 2 * prompt);
+    let generated = a["usage"]["completion_tokens"].as_u64().unwrap() as usize
+        + b["usage"]["completion_tokens"].as_u64().unwrap() as usize;
+    assert_eq!(metric(p, "trellm_generation_tokens_total"), generated);
+    assert_eq!(metric(p, "trellm_time_to_first_token_seconds_count"), 2);
+    assert!(metric(p, "trellm_kv_blocks_cached") > 0);
+    assert_eq!(
+        metric(p, "trellm_kv_blocks_free"),
+        metric(p, "trellm_kv_blocks_total")
+    );
+}
+
+#[test]
+fn sixty_four_streaming_clients_each_get_what_they_get_alone() {
+    let srv = serve(&["--max-seqs", "64"]);
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/load_clients.py");
+    let out = Command::new(python())
+        .args([script, &srv.base, "smollm2-135m-instruct"])
+        .args(["--clients", "64", "--requests", "2", "--max-tokens", "16"])
+        .args(["--prompts", "8", "--check"])
+        .output()
+        .expect("python with the openai package (see the module docs)");
+    let report = String::from_utf8_lossy(&out.stdout);
+    // The speeds are informative here; BENCHMARKS.md has the measured ratios.
+    eprintln!("{report}");
+    assert!(
+        out.status.success(),
+        "{report}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_str(report.trim()).unwrap();
+    assert_eq!(v["requests"], 128);
+    assert_eq!(
+        v["generated_tokens"],
+        128 * 16,
+        "every stream ran to max_tokens"
+    );
+    // Afterwards the engine is idle and every block is free again.
+    assert_eq!(metric(srv.port, "trellm_requests_running"), 0);
+    assert_eq!(
+        metric(srv.port, "trellm_kv_blocks_free"),
+        metric(srv.port, "trellm_kv_blocks_total")
+    );
+}
+
+#[test]
+fn structured_output_and_tools_through_the_openai_client() {
+    let srv = serve(&[]);
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/server/structured.py");
+    let out = Command::new(python())
+        .args([script, &srv.base, "smollm2-135m-instruct"])
+        .output()
+        .expect("python with the openai package (see the module docs)");
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

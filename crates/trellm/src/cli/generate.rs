@@ -175,6 +175,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         prompt_logprobs: a.prompt_logprobs,
         eos_ids,
         stop: a.stop.clone(),
+        constraint: None,
     };
     let mut engine = a.device.engine(
         &m,

@@ -125,6 +125,7 @@ pub fn run(a: &GenerateArgs, path: &Path) -> Result<()> {
             prompt_logprobs,
             eos_ids: eos.clone(),
             stop: l.stop.clone().unwrap_or_else(|| a.stop.clone()),
+            constraint: None,
         });
     }
     let positions = reqs

@@ -1,7 +1,6 @@
 //! `trellm serve`: the HTTP server (`crate::server`) over one loaded model.
 
 use std::net::{IpAddr, SocketAddr};
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Result};
@@ -35,6 +34,16 @@ pub struct ServeArgs {
     /// The model name the API reports and accepts (default: the model argument).
     #[arg(long)]
     pub served_model_name: Option<String>,
+    /// Origins a browser may call the API from (CORS), comma-separated; `*` for any. Default:
+    /// none (no CORS headers).
+    #[arg(long, value_delimiter = ',')]
+    pub allowed_origins: Vec<String>,
+    /// Requests that may wait for a slot; more are answered 503 with Retry-After.
+    #[arg(long, default_value_t = 1024)]
+    pub max_queue: usize,
+    /// Seconds running requests may go on after SIGINT/SIGTERM before they are cancelled.
+    #[arg(long, default_value_t = 10)]
+    pub shutdown_grace: u64,
 }
 
 /// `2G`, `512M`, `64K` or plain bytes.
@@ -66,15 +75,6 @@ pub fn run(a: ServeArgs) -> Result<()> {
         bail!("--max-seqs must be at least 1");
     }
     let kv_bytes = parse_bytes(&a.kv_memory)?;
-    let m = Arc::new(a.model.load()?);
-    let block = m.model.block_bytes(crate::backend::BLOCK_SIZE);
-    let kv_blocks = kv_bytes / block.max(1);
-    if kv_blocks == 0 {
-        bail!(
-            "--kv-memory {}: less than one KV block ({block} bytes)",
-            a.kv_memory
-        );
-    }
     let name = a
         .served_model_name
         .clone()
@@ -82,13 +82,29 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let opts = ServeOptions {
         addr: SocketAddr::new(a.host, a.port),
         device: a.device.device,
-        engine: EngineOptions {
-            max_seqs: a.max_seqs,
-            kv_blocks,
-            prefill_chunk: PREFILL_CHUNK_SERVE,
-        },
         api_key: a.api_key,
         model_name: name,
+        allowed_origins: a.allowed_origins,
+        max_waiting: a.max_queue,
+        grace: Duration::from_secs(a.shutdown_grace),
     };
-    serve(m, opts, Duration::from_secs(10))
+    let (model_args, kv_memory, max_seqs) = (a.model, a.kv_memory, a.max_seqs);
+    serve(
+        move || {
+            let m = model_args.load()?;
+            let block = m.model.block_bytes(crate::backend::BLOCK_SIZE);
+            let kv_blocks = kv_bytes / block.max(1);
+            if kv_blocks == 0 {
+                bail!("--kv-memory {kv_memory}: less than one KV block ({block} bytes)");
+            }
+            let engine = EngineOptions {
+                max_seqs,
+                kv_blocks,
+                prefill_chunk: PREFILL_CHUNK_SERVE,
+                prefix_cache: true,
+            };
+            Ok((m, engine))
+        },
+        opts,
+    )
 }

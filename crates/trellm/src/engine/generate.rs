@@ -26,6 +26,8 @@ pub struct Step {
 #[derive(Debug, Clone, Default)]
 pub struct GenerationStats {
     pub prompt_tokens: usize,
+    /// Prompt tokens whose KV came from the prefix cache.
+    pub cached_tokens: usize,
     pub prompt_time: Duration,
     pub generated_tokens: usize,
     /// From the first generated token to the last.

@@ -26,6 +26,64 @@ pub struct SamplerParams {
     pub seed: Option<u64>,
 }
 
+/// The sampling a model's files recommend (Hugging Face `generation_config.json`, GGUF
+/// `general.sampling.*`): a server's values for fields a request leaves unset. Values outside
+/// their ranges are dropped (a file cannot make every request fail).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SamplingDefaults {
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<usize>,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+}
+
+impl SamplingDefaults {
+    fn checked(self) -> Self {
+        let within =
+            |v: Option<f32>, lo: f32, hi: f32| v.filter(|x| x.is_finite() && (lo..=hi).contains(x));
+        SamplingDefaults {
+            temperature: within(self.temperature, 0.0, 100.0),
+            top_p: within(self.top_p, f32::MIN_POSITIVE, 1.0),
+            top_k: self.top_k.filter(|&k| k <= 1 << 20),
+            min_p: within(self.min_p, 0.0, 1.0),
+            repetition_penalty: within(self.repetition_penalty, f32::MIN_POSITIVE, 100.0),
+        }
+    }
+
+    pub fn from_hf(generation: &serde_json::Value) -> Self {
+        let f = |k: &str| {
+            generation
+                .get(k)
+                .and_then(serde_json::Value::as_f64)
+                .map(|v| v as f32)
+        };
+        SamplingDefaults {
+            temperature: f("temperature"),
+            top_p: f("top_p"),
+            top_k: generation
+                .get("top_k")
+                .and_then(serde_json::Value::as_u64)
+                .map(|k| k as usize),
+            min_p: f("min_p"),
+            repetition_penalty: f("repetition_penalty"),
+        }
+        .checked()
+    }
+
+    pub fn from_gguf(g: &trellm_formats::gguf::Gguf) -> Self {
+        let f = |k: &str| g.get_f32(&format!("general.sampling.{k}"));
+        SamplingDefaults {
+            temperature: f("temp"),
+            top_p: f("top_p"),
+            top_k: g.get_u64("general.sampling.top_k").map(|k| k as usize),
+            min_p: f("min_p"),
+            repetition_penalty: f("penalty_repeat"),
+        }
+        .checked()
+    }
+}
+
 impl Default for SamplerParams {
     fn default() -> Self {
         SamplerParams {
@@ -305,6 +363,22 @@ pub fn top_indices(x: &[f32], k: usize) -> Vec<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sampling_defaults_come_from_generation_config_within_range() {
+        let g = serde_json::json!({"do_sample": true, "temperature": 0.6, "top_p": 0.9, "top_k": 20,
+                                   "repetition_penalty": -1.0, "min_p": 2.0});
+        let d = SamplingDefaults::from_hf(&g);
+        assert_eq!(d.temperature, Some(0.6));
+        assert_eq!(d.top_p, Some(0.9));
+        assert_eq!(d.top_k, Some(20));
+        // Out of range: dropped, so a request without the field still works.
+        assert_eq!((d.repetition_penalty, d.min_p), (None, None));
+        assert_eq!(
+            SamplingDefaults::from_hf(&serde_json::json!({"eos_token_id": 2})),
+            SamplingDefaults::default()
+        );
+    }
 
     /// Draws follow `p^(1/temp)` (normalized) and never pick a filtered (-inf) entry.
     #[test]

@@ -7,6 +7,14 @@
 //! Admission reserves the blocks a request can ever need (prompt + `max_tokens`, capped at the
 //! context), so a running sequence never finds the pool empty: a request that does not fit waits,
 //! and one that could never fit is refused with [`EngineError::ResourceExhausted`].
+//!
+//! With the prefix cache on, a finished sequence leaves its full KV blocks in the cache, and an
+//! admitted prompt starts from the longest cached prefix of its tokens. Cached blocks nobody uses
+//! count as free (they are evicted when a sequence needs the room); blocks a running sequence
+//! shares are counted beside the reservations, so the guarantee above still holds. A hit changes
+//! rounding, not results: the rest of the prompt is computed in other chunk shapes (and a cached
+//! reply was computed one token at a time), so logprobs move in the last bits (tested within
+//! 1e-4, greedy ids equal).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -15,7 +23,9 @@ use std::time::{Duration, Instant};
 use trellm_model::{Batch, BlockPool, BlockTable, ModelBackend, ModelConfig, Want};
 use trellm_tokenizer::{StreamDecoder, Tokenizer};
 
+use super::constraint::Constraint;
 use super::generate::{GenerationStats, Step};
+use super::prefix::PrefixCache;
 use super::sampler::{top_indices, Sampler, SamplerParams};
 use super::stop::StopStrings;
 use crate::backend::BLOCK_SIZE;
@@ -51,6 +61,9 @@ pub struct Request {
     pub eos_ids: Vec<u32>,
     /// Strings that end generation (not part of the text); need a tokenizer.
     pub stop: Vec<String>,
+    /// A grammar the output must follow (compiled with [`super::Constrainer`]); the sequence
+    /// ends with `Stop` once it is complete.
+    pub constraint: Option<Constraint>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -100,6 +113,8 @@ pub struct EngineOptions {
     pub kv_blocks: usize,
     /// Prompt tokens per step, and the chunk size prompts are cut into.
     pub prefill_chunk: usize,
+    /// Keep finished sequences' KV blocks for prompts that start the same way.
+    pub prefix_cache: bool,
 }
 
 impl EngineOptions {
@@ -109,6 +124,7 @@ impl EngineOptions {
             max_seqs,
             kv_blocks: max_seqs * positions.div_ceil(BLOCK_SIZE),
             prefill_chunk: super::generate::PREFILL_STEP,
+            prefix_cache: true,
         }
     }
 }
@@ -163,6 +179,7 @@ pub struct Engine<'t> {
     waiting: VecDeque<Seq<'t>>,
     running: Vec<Seq<'t>>,
     reserved: usize,
+    prefix: PrefixCache,
     next_id: SeqId,
     /// Events of sequences that ended outside a step (cancelled while waiting).
     pending_events: Vec<Event>,
@@ -190,6 +207,7 @@ impl<'t> Engine<'t> {
             waiting: VecDeque::new(),
             running: Vec::new(),
             reserved: 0,
+            prefix: PrefixCache::default(),
             next_id: 0,
             pending_events: Vec::new(),
         })
@@ -199,9 +217,22 @@ impl<'t> Engine<'t> {
         &self.cfg
     }
 
-    /// Free and total KV blocks.
+    /// KV blocks a new sequence can get (free, or cached and unused) and the pool's total.
     pub fn kv_blocks(&self) -> (usize, usize) {
-        (self.pool.free_blocks(), self.pool.total_blocks())
+        (
+            self.pool.free_blocks() + self.prefix.evictable(&self.pool),
+            self.pool.total_blocks(),
+        )
+    }
+
+    /// KV blocks the prefix cache holds.
+    pub fn cached_blocks(&self) -> usize {
+        self.prefix.len()
+    }
+
+    /// Cached blocks a running sequence shares: they are not in any reservation.
+    fn pinned(&self) -> usize {
+        self.prefix.len() - self.prefix.evictable(&self.pool)
     }
 
     /// Sequences running and waiting.
@@ -299,6 +330,13 @@ impl<'t> Engine<'t> {
 
     fn finish(&mut self, mut s: Seq<'t>, reason: FinishReason) -> Event {
         self.reserved -= s.reserved;
+        // Prompt and reply: a next turn's prompt usually starts with both. (A cancelled
+        // sequence may have grown blocks that a failed step never wrote.)
+        if self.opts.prefix_cache && reason != FinishReason::Cancelled {
+            let n = s.table.len().min(s.history.len());
+            self.prefix
+                .insert(&mut self.pool, &s.history[..n], s.table.blocks());
+        }
         self.pool.release(std::mem::take(&mut s.table));
         let mut text = String::new();
         if reason != FinishReason::Cancelled {
@@ -320,17 +358,32 @@ impl<'t> Engine<'t> {
         }
     }
 
-    /// Moves waiting requests in while slots and blocks allow (in arrival order).
+    /// Moves waiting requests in while slots and blocks allow (in arrival order), each starting
+    /// from the longest cached prefix of its prompt.
     fn admit(&mut self) {
         while self.running.len() < self.opts.max_seqs {
             let Some(s) = self.waiting.front() else {
                 break;
             };
-            if self.reserved + s.reserved > self.pool.total_blocks() {
+            // The last prompt token is always computed (its logits start generation), and
+            // prompt logprobs need every position computed.
+            let hit = if self.opts.prefix_cache && s.req.prompt_logprobs == 0 {
+                let most = (s.req.prompt.len() - 1) / BLOCK_SIZE;
+                self.prefix.lookup(&s.req.prompt, BLOCK_SIZE, most)
+            } else {
+                Vec::new()
+            };
+            let need = s.reserved - hit.len();
+            let pinned = self.pinned() + self.prefix.unshared(&self.pool, &hit);
+            if self.reserved + need + pinned > self.pool.total_blocks() {
                 break;
             }
-            let s = self.waiting.pop_front().expect("front exists");
-            self.reserved += s.reserved;
+            let mut s = self.waiting.pop_front().expect("front exists");
+            s.table = self.pool.share(&hit);
+            s.prefilled = s.table.len();
+            s.stats.cached_tokens = s.prefilled;
+            s.reserved = need;
+            self.reserved += need;
             self.running.push(s);
         }
     }
@@ -373,6 +426,11 @@ impl<'t> Engine<'t> {
                     (s.req.prompt[s.prefilled..end].to_vec(), last, want)
                 }
             };
+            let short = self
+                .pool
+                .needed(&s.table, start + tokens.len())
+                .saturating_sub(self.pool.free_blocks());
+            self.prefix.evict(&mut self.pool, short);
             let c = self
                 .pool
                 .grow(&mut s.table, start + tokens.len())
@@ -421,6 +479,14 @@ impl<'t> Engine<'t> {
                 continue;
             }
             let mut lp = mine[mine.len() - v..].to_vec();
+            if let Some(c) = s.req.constraint.as_mut() {
+                if let Err(e) = c.mask(&mut lp) {
+                    // Only this sequence is stuck; the others in the step go on.
+                    eprintln!("trellm: sequence {}: constrained decoding: {e}", s.id);
+                    ended.push((i, FinishReason::Stop));
+                    continue;
+                }
+            }
             s.sampler.logprobs(&mut lp, &s.history);
             let token = s.sampler.sample(&lp);
             let step = Step {
@@ -436,6 +502,16 @@ impl<'t> Engine<'t> {
             s.stats.generated_tokens += 1;
             s.history.push(token);
             let eos = s.req.eos_ids.contains(&token);
+            // The grammar sees every token but EOS (which only ever ends it).
+            let mut grammar_done = false;
+            if let (Some(c), false) = (s.req.constraint.as_mut(), eos) {
+                if let Err(e) = c.commit(token) {
+                    eprintln!("trellm: sequence {}: constrained decoding: {e}", s.id);
+                    grammar_done = true;
+                } else {
+                    grammar_done = c.is_finished();
+                }
+            }
             let mut text = String::new();
             if !eos {
                 if let Some(d) = s.decoder.as_mut() {
@@ -452,6 +528,8 @@ impl<'t> Engine<'t> {
                 ended.push((i, FinishReason::Stop));
             } else if let Some(m) = s.stops.matched() {
                 ended.push((i, FinishReason::StopString(m.to_string())));
+            } else if grammar_done {
+                ended.push((i, FinishReason::Stop));
             } else if s.stats.generated_tokens >= s.req.max_tokens {
                 ended.push((i, FinishReason::Length));
             } else if s.table.len() >= max_context {

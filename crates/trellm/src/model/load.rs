@@ -10,7 +10,7 @@ use trellm_tokenizer::Tokenizer;
 
 use crate::backend::cpu::CpuModel;
 use crate::backend::Device;
-use crate::engine::{Engine, EngineOptions};
+use crate::engine::{Engine, EngineOptions, SamplingDefaults};
 
 use super::config::ModelConfig;
 use super::weights::{TensorSource, Weights};
@@ -23,6 +23,10 @@ pub struct LoadedModel {
     tokenizer: std::result::Result<Tokenizer, String>,
     /// Bytes of weights in the memory map(s).
     pub weight_bytes: usize,
+    /// The sampling the model's files recommend.
+    pub sampling: SamplingDefaults,
+    /// The grammar engine over this tokenizer, built on first use (constrained decoding).
+    constrainer: std::sync::OnceLock<std::result::Result<crate::engine::Constrainer, String>>,
 }
 
 pub fn load(path: &Path) -> Result<LoadedModel> {
@@ -72,6 +76,7 @@ fn load_gguf(path: &Path, with_tokenizer: bool) -> Result<LoadedModel> {
         )),
         (true, _) => Tokenizer::from_gguf(&g).map_err(|e| e.to_string()),
     };
+    let sampling = SamplingDefaults::from_gguf(&g);
     let src = TensorSource::Gguf(g);
     let weights = Weights::load(&src, &cfg).with_context(|| path.display().to_string())?;
     let weight_bytes = match &src {
@@ -83,6 +88,8 @@ fn load_gguf(path: &Path, with_tokenizer: bool) -> Result<LoadedModel> {
         model: Arc::new(CpuModel::new(cfg, weights)),
         tokenizer,
         weight_bytes,
+        sampling,
+        constrainer: Default::default(),
     })
 }
 
@@ -91,6 +98,10 @@ fn load_hf(dir: &Path, with_tokenizer: bool) -> Result<LoadedModel> {
     let generation = trellm_formats::hf::read_json(&dir.join("generation_config.json"))?;
     let cfg = ModelConfig::from_hf(&config, generation.as_ref())
         .with_context(|| dir.display().to_string())?;
+    let sampling = generation
+        .as_ref()
+        .map(SamplingDefaults::from_hf)
+        .unwrap_or_default();
     let st = SafeTensors::open(dir)?;
     let weight_bytes = st.shards.iter().map(|(_, m)| m.len()).sum();
     let src = TensorSource::SafeTensors(st);
@@ -107,6 +118,8 @@ fn load_hf(dir: &Path, with_tokenizer: bool) -> Result<LoadedModel> {
         model: Arc::new(CpuModel::new(cfg, weights)),
         tokenizer,
         weight_bytes,
+        sampling,
+        constrainer: Default::default(),
     })
 }
 
@@ -151,6 +164,19 @@ impl LoadedModel {
                 self.path.display()
             )
         })
+    }
+
+    /// The grammar engine for this model's tokenizer (built once, on first call: about a
+    /// second for a 50k vocabulary).
+    pub fn constrainer(&self) -> Result<&crate::engine::Constrainer> {
+        self.constrainer
+            .get_or_init(|| {
+                let tok = self.tokenizer().map_err(|e| e.to_string())?;
+                crate::engine::Constrainer::new(tok, self.model.cfg.vocab, &self.eos_ids())
+                    .map_err(|e| e.to_string())
+            })
+            .as_ref()
+            .map_err(|e| anyhow!("constrained decoding is unavailable: {e}"))
     }
 
     pub fn has_tokenizer(&self) -> bool {

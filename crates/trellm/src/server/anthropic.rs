@@ -116,6 +116,11 @@ fn prompt(
         .map_err(|e| ApiError::invalid(e.to_string()))
 }
 
+/// Anthropic counts cache reads apart from `input_tokens`.
+fn usage(input: usize, cached: usize, output: usize) -> Value {
+    json!({"input_tokens": input - cached, "output_tokens": output, "cache_read_input_tokens": cached})
+}
+
 fn stop_reason(r: &FinishReason) -> (&'static str, Option<String>) {
     match r {
         FinishReason::Stop => ("end_turn", None),
@@ -167,10 +172,14 @@ async fn run(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
             cfg.max_context
         )));
     }
+    // Unset fields: the model's recommendation, then Anthropic's defaults.
+    let d = &s.model.sampling;
     let sampler = SamplerParams {
-        temp: r.temperature.unwrap_or(1.0),
-        top_p: r.top_p.unwrap_or(1.0),
-        top_k: r.top_k.unwrap_or(0),
+        temp: r.temperature.or(d.temperature).unwrap_or(1.0),
+        top_p: r.top_p.or(d.top_p).unwrap_or(1.0),
+        top_k: r.top_k.or(d.top_k).unwrap_or(0),
+        min_p: d.min_p.unwrap_or(0.0),
+        repetition_penalty: d.repetition_penalty,
         ..Default::default()
     };
     sampler.validate(cfg.vocab).map_err(invalid_sampling)?;
@@ -195,7 +204,7 @@ async fn run(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
             "content": [{"type": "text", "text": c.text}],
             "stop_reason": reason,
             "stop_sequence": seq,
-            "usage": {"input_tokens": input, "output_tokens": c.steps.len(), "cache_read_input_tokens": 0},
+            "usage": usage(input, c.cached, c.steps.len()),
         }))
         .into_response());
     }
@@ -238,7 +247,11 @@ async fn run(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
                         return;
                     }
                 }
-                ChoiceUpdate::Done { reason, text } => {
+                ChoiceUpdate::Done {
+                    reason,
+                    text,
+                    cached,
+                } => {
                     if !text.is_empty() && tx.send(delta(&text)).is_err() {
                         return;
                     }
@@ -250,7 +263,7 @@ async fn run(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
                         ),
                         event(
                             "message_delta",
-                            json!({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq}, "usage": {"output_tokens": output}}),
+                            json!({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq}, "usage": usage(input, cached, output)}),
                         ),
                         event("message_stop", json!({"type": "message_stop"})),
                     ];

@@ -48,6 +48,20 @@ impl ApiError {
             "the engine is not accepting requests",
         )
     }
+    pub fn busy() -> Self {
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "overloaded_error",
+            "the server's queue is full; retry later",
+        )
+    }
+    pub fn loading() -> Self {
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "overloaded_error",
+            "the model is still loading",
+        )
+    }
 
     fn with_retry(&self, mut r: Response) -> Response {
         if self.status == StatusCode::SERVICE_UNAVAILABLE || self.status.as_u16() == 429 {
@@ -139,12 +153,21 @@ pub struct Choice {
     pub text: String,
     pub steps: Vec<Step>,
     pub reason: Option<FinishReason>,
+    /// Prompt tokens reused from the prefix cache.
+    pub cached: usize,
 }
 
 /// A choice's update, tagged with its index.
 pub enum ChoiceUpdate {
-    Token { step: Step, text: String },
-    Done { reason: FinishReason, text: String },
+    Token {
+        step: Step,
+        text: String,
+    },
+    Done {
+        reason: FinishReason,
+        text: String,
+        cached: usize,
+    },
     Failed(ApiError),
 }
 
@@ -167,10 +190,21 @@ pub fn start(
                     Update::Event(Event::Token { step, text, .. }) => {
                         (ChoiceUpdate::Token { step, text }, false)
                     }
-                    Update::Event(Event::Done { reason, text, .. }) => {
-                        (ChoiceUpdate::Done { reason, text }, true)
-                    }
+                    Update::Event(Event::Done {
+                        reason,
+                        text,
+                        stats,
+                        ..
+                    }) => (
+                        ChoiceUpdate::Done {
+                            reason,
+                            text,
+                            cached: stats.cached_tokens,
+                        },
+                        true,
+                    ),
                     Update::Rejected(e) => (ChoiceUpdate::Failed(e.into()), true),
+                    Update::Busy => (ChoiceUpdate::Failed(ApiError::busy()), true),
                 };
                 if out.send((i, msg)).is_err() || last {
                     break;
@@ -197,9 +231,14 @@ pub async fn collect(worker: &Worker, reqs: Vec<Request>) -> Result<Vec<Choice>,
                 c.steps.push(step);
                 c.text.push_str(&text);
             }
-            ChoiceUpdate::Done { reason, text } => {
+            ChoiceUpdate::Done {
+                reason,
+                text,
+                cached,
+            } => {
                 c.text.push_str(&text);
                 c.reason = Some(reason);
+                c.cached = cached;
                 left -= 1;
             }
             ChoiceUpdate::Failed(e) => return Err(e),

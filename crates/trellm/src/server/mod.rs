@@ -2,23 +2,29 @@
 //! axum. Handlers parse and validate a request, turn it into engine requests (one per choice),
 //! and stream or collect the engine's events; the engine thread (`worker`) batches every running
 //! request into each step.
+//!
+//! The port is bound before the model loads: until it is ready `/health` answers 503 and every
+//! other path 503 with `Retry-After`, so a supervisor can tell loading from dead.
 
 mod anthropic;
 mod api;
+mod metrics;
 mod openai;
+mod tools;
 mod worker;
 
+use std::future::IntoFuture;
 use std::net::SocketAddr;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result};
 use axum::extract::{DefaultBodyLimit, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
+use tower_http::cors::{AllowOrigin, CorsLayer};
 
 use crate::engine::EngineOptions;
 use crate::model::load::LoadedModel;
@@ -31,11 +37,16 @@ pub const MAX_BODY_BYTES: usize = 8 << 20;
 pub struct ServeOptions {
     pub addr: SocketAddr,
     pub device: Device,
-    pub engine: EngineOptions,
     /// Requests must carry this key (`Authorization: Bearer` or `x-api-key`).
     pub api_key: Option<String>,
     /// The name `/v1/models` lists and requests may name.
     pub model_name: String,
+    /// Origins browsers may call from (CORS); none: no CORS headers. `*`: any.
+    pub allowed_origins: Vec<String>,
+    /// Requests that may wait for a slot; more get 503 with `Retry-After`.
+    pub max_waiting: usize,
+    /// How long running requests may go on after SIGINT/SIGTERM.
+    pub grace: Duration,
 }
 
 pub struct AppState {
@@ -52,7 +63,7 @@ pub fn unix_time() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-/// The router over a started engine (tests bind it to an ephemeral port).
+/// The router over a started engine.
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/health", get(health))
@@ -67,6 +78,51 @@ pub fn router(state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
+/// What answers while the model loads.
+fn loading_router() -> Router {
+    Router::new()
+        .route(
+            "/health",
+            get(|| async {
+                (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    axum::Json(serde_json::json!({"status": "loading"})),
+                )
+            }),
+        )
+        .fallback(|| async { api::ApiError::loading().openai() })
+}
+
+/// CORS for the given origins (`*`: any); `None` when no origin is allowed.
+fn cors(origins: &[String]) -> Result<Option<CorsLayer>> {
+    if origins.is_empty() {
+        return Ok(None);
+    }
+    let allow = if origins.iter().any(|o| o == "*") {
+        AllowOrigin::any()
+    } else {
+        let list = origins
+            .iter()
+            .map(|o| {
+                HeaderValue::from_str(o)
+                    .with_context(|| format!("--allowed-origins: '{o}' is not a valid origin"))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        AllowOrigin::list(list)
+    };
+    Ok(Some(
+        CorsLayer::new()
+            .allow_origin(allow)
+            .allow_methods([Method::GET, Method::POST, Method::OPTIONS])
+            .allow_headers([
+                axum::http::header::CONTENT_TYPE,
+                axum::http::header::AUTHORIZATION,
+                "x-api-key".parse().expect("a valid header name"),
+                "anthropic-version".parse().expect("a valid header name"),
+            ]),
+    ))
+}
+
 async fn health() -> impl IntoResponse {
     (
         StatusCode::OK,
@@ -79,18 +135,13 @@ async fn not_found() -> Response {
 }
 
 async fn metrics(State(s): State<Arc<AppState>>) -> impl IntoResponse {
-    let g = &s.worker.gauges;
-    let body = format!(
-        "# TYPE trellm_requests_running gauge\ntrellm_requests_running {}\n\
-         # TYPE trellm_requests_waiting gauge\ntrellm_requests_waiting {}\n\
-         # TYPE trellm_kv_blocks_free gauge\ntrellm_kv_blocks_free {}\n\
-         # TYPE trellm_kv_blocks_total gauge\ntrellm_kv_blocks_total {}\n",
-        g.running.load(Ordering::Relaxed),
-        g.waiting.load(Ordering::Relaxed),
-        g.kv_free.load(Ordering::Relaxed),
-        g.kv_total.load(Ordering::Relaxed),
-    );
-    ([("content-type", "text/plain; version=0.0.4")], body)
+    (
+        [(
+            "content-type",
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        s.worker.metrics.text(),
+    )
 }
 
 /// Checks the API key, if the server has one.
@@ -106,36 +157,84 @@ pub fn authorized(s: &AppState, headers: &HeaderMap) -> bool {
     bearer == Some(key.as_str()) || x_key == Some(key.as_str())
 }
 
-/// Loads nothing: serves `model` until SIGINT/SIGTERM, then stops taking connections and lets
-/// running requests finish (within `grace`).
-pub fn serve(model: Arc<LoadedModel>, o: ServeOptions, grace: Duration) -> Result<()> {
-    let worker = Worker::start(model.clone(), o.device, o.engine)?;
-    let state = Arc::new(AppState {
-        model,
-        worker,
-        model_name: o.model_name,
-        api_key: o.api_key,
-        created: unix_time(),
-    });
+/// Binds `o.addr`, then loads the model with `load` (which also sizes the engine for it) while
+/// answering 503, then serves it until
+/// SIGINT/SIGTERM: new connections stop, running requests get `o.grace` to finish, and what
+/// still runs then is cancelled.
+pub fn serve(
+    load: impl FnOnce() -> Result<(LoadedModel, EngineOptions)> + Send + 'static,
+    o: ServeOptions,
+) -> Result<()> {
+    let cors = cors(&o.allowed_origins)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
+    let grace = o.grace;
     rt.block_on(async move {
-        let listener = tokio::net::TcpListener::bind(o.addr)
-            .await
+        let listener = std::net::TcpListener::bind(o.addr)
             .with_context(|| format!("cannot listen on {}", o.addr))?;
+        listener.set_nonblocking(true)?;
+        let addr = listener.local_addr()?;
         eprintln!(
-            "trellm: serving {} on http://{}",
-            state.model_name,
-            listener.local_addr()?
+            "trellm: loading {} (listening on {addr}; /health answers 503 until it is ready)",
+            o.model_name
         );
-        axum::serve(listener, router(state))
-            .with_graceful_shutdown(shutdown_signal())
-            .await?;
+        let (loaded_tx, loaded_rx) = tokio::sync::oneshot::channel::<()>();
+        let early = tokio::net::TcpListener::from_std(listener.try_clone()?)?;
+        let loading_server = tokio::spawn(
+            axum::serve(early, loading_router())
+                .with_graceful_shutdown(async move {
+                    let _ = loaded_rx.await;
+                })
+                .into_future(),
+        );
+        let (device, max_waiting) = (o.device, o.max_waiting);
+        let started = tokio::task::spawn_blocking(move || -> Result<_> {
+            let (model, engine) = load()?;
+            let model = Arc::new(model);
+            let worker = Worker::start(model.clone(), device, engine, max_waiting)?;
+            Ok((model, worker))
+        });
+        let (model, worker) = tokio::select! {
+            r = started => r.context("the loading thread panicked")??,
+            _ = shutdown_signal() => return Ok(()),
+        };
+        let _ = loaded_tx.send(());
+        let _ = loading_server.await;
+        let state = Arc::new(AppState {
+            model,
+            worker,
+            model_name: o.model_name,
+            api_key: o.api_key,
+            created: unix_time(),
+        });
+        let mut app = router(state.clone());
+        if let Some(c) = cors {
+            app = app.layer(c);
+        }
+        let listener = tokio::net::TcpListener::from_std(listener)?;
+        eprintln!("trellm: serving {} on http://{addr}", state.model_name);
+        let (stopping_tx, mut stopping) = tokio::sync::watch::channel(false);
+        let server = axum::serve(listener, app)
+            .with_graceful_shutdown(async move {
+                shutdown_signal().await;
+                let _ = stopping_tx.send(true);
+            })
+            .into_future();
+        tokio::select! {
+            r = server => r?,
+            _ = async {
+                let _ = stopping.wait_for(|&s| s).await;
+                tokio::time::sleep(grace).await;
+            } => eprintln!(
+                "trellm: {} s after the signal, cancelling what still runs",
+                grace.as_secs()
+            ),
+        }
         Ok::<_, anyhow::Error>(())
     })?;
-    rt.shutdown_timeout(grace);
+    rt.shutdown_timeout(Duration::from_secs(1));
     Ok(())
 }
 

@@ -19,6 +19,7 @@ use trellm_tokenizer::ChatMessage;
 use super::api::{
     collect, invalid_sampling, parse, request_id, start, ApiError, Choice, ChoiceUpdate, OneOrMany,
 };
+use super::tools::{self, CallFilter, Tools};
 use super::{authorized, unix_time, AppState};
 use crate::engine::{Request, SamplerParams, Step};
 
@@ -46,6 +47,10 @@ struct Part {
 struct Message {
     role: String,
     content: Option<Content>,
+    /// An assistant turn's calls, a tool turn's id and name (see `tools`).
+    tool_calls: Option<Value>,
+    tool_call_id: Option<String>,
+    name: Option<String>,
 }
 
 #[derive(Deserialize, Debug, Default)]
@@ -86,6 +91,8 @@ struct ChatRequest {
     response_format: Option<Value>,
     tools: Option<Value>,
     tool_choice: Option<Value>,
+    /// More variables for the chat template (e.g. `{"enable_thinking": false}`).
+    chat_template_kwargs: Option<serde_json::Map<String, Value>>,
     #[allow(dead_code)]
     user: Option<String>,
     // Accepted and ignored, as other local servers do.
@@ -163,12 +170,14 @@ impl Sampling {
                 })
                 .collect::<Result<_, _>>()?,
         };
+        // Unset fields: the model's recommendation, then OpenAI's defaults.
+        let d = &s.model.sampling;
         let base = SamplerParams {
-            temp: self.temperature.unwrap_or(1.0),
-            top_p: self.top_p.unwrap_or(1.0),
-            min_p: self.min_p.unwrap_or(0.0),
-            top_k: self.top_k.unwrap_or(0),
-            repetition_penalty: self.repetition_penalty,
+            temp: self.temperature.or(d.temperature).unwrap_or(1.0),
+            top_p: self.top_p.or(d.top_p).unwrap_or(1.0),
+            min_p: self.min_p.or(d.min_p).unwrap_or(0.0),
+            top_k: self.top_k.or(d.top_k).unwrap_or(0),
+            repetition_penalty: self.repetition_penalty.or(d.repetition_penalty),
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,
             logit_bias,
@@ -196,6 +205,7 @@ impl Sampling {
                 prompt_logprobs: 0,
                 eos_ids: s.model.eos_ids(),
                 stop: stop.clone(),
+                constraint: None,
             })
             .collect())
     }
@@ -275,13 +285,18 @@ fn openai_reason(r: &crate::engine::FinishReason) -> &'static str {
     }
 }
 
-fn usage(prompt: usize, completion: usize) -> Value {
+/// `cached`: prompt tokens whose KV came from the prefix cache.
+fn usage(prompt: usize, completion: usize, cached: usize) -> Value {
     json!({
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": 0},
+        "prompt_tokens_details": {"cached_tokens": cached},
     })
+}
+
+fn cached(choices: &[Choice]) -> usize {
+    choices.iter().map(|c| c.cached).max().unwrap_or(0)
 }
 
 pub async fn models(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Response {
@@ -312,39 +327,55 @@ pub async fn chat_completions(
 async fn chat(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
     let r: ChatRequest = parse(body)?;
     check_model(&s, &r.model)?;
-    match r
-        .response_format
-        .as_ref()
-        .and_then(|f| f.get("type"))
-        .and_then(Value::as_str)
-    {
-        None | Some("text") => {}
-        Some(other) => {
-            return Err(ApiError::invalid(format!(
-                "response_format '{other}' is not supported yet"
-            ))
-            .param("response_format"))
-        }
-    }
-    if r.tools
-        .as_ref()
-        .is_some_and(|t| !t.as_array().is_some_and(|a| a.is_empty()))
-        || r.tool_choice.as_ref().is_some_and(|c| c != "none")
-    {
-        return Err(ApiError::invalid("tools are not supported yet").param("tools"));
-    }
+    let plan = tools::plan(
+        &s,
+        r.response_format.as_ref(),
+        r.tools.as_ref(),
+        r.tool_choice.as_ref(),
+    )
+    .await?;
     if r.messages.is_empty() {
         return Err(ApiError::invalid("messages must not be empty").param("messages"));
     }
     let messages = r
         .messages
         .into_iter()
-        .map(|m| Ok(ChatMessage::new(m.role, text_of(m.content)?)))
+        .map(|m| {
+            Ok(tools::InMessage {
+                role: m.role,
+                content: text_of(m.content)?,
+                tool_calls: m.tool_calls,
+                tool_call_id: m.tool_call_id,
+                name: m.name,
+            })
+        })
         .collect::<Result<Vec<_>, ApiError>>()?;
-    let prompt = s
-        .model
-        .chat_prompt(&messages)
-        .map_err(|e| ApiError::invalid(e.to_string()).param("messages"))?;
+    let kwargs = r.chat_template_kwargs.as_ref();
+    if let Some(k) = kwargs.and_then(|k| {
+        ["messages", "tools", "add_generation_prompt"]
+            .into_iter()
+            .find(|&n| k.contains_key(n))
+    }) {
+        return Err(ApiError::invalid(format!(
+            "chat_template_kwargs cannot set '{k}': it has its own request field"
+        ))
+        .param("chat_template_kwargs"));
+    }
+    let prompt = if kwargs.is_some() || tools::needs_json_render(&messages, plan.tools.as_ref()) {
+        let tok = s
+            .model
+            .tokenizer()
+            .map_err(|e| ApiError::invalid(e.to_string()))?;
+        tools::prompt_with_tools(tok, &messages, plan.tools.as_ref(), kwargs)?
+    } else {
+        let messages: Vec<ChatMessage> = messages
+            .into_iter()
+            .map(|m| ChatMessage::new(m.role, m.content))
+            .collect();
+        s.model
+            .chat_prompt(&messages)
+            .map_err(|e| ApiError::invalid(e.to_string()).param("messages"))?
+    };
     let top = r.top_logprobs.unwrap_or(0);
     if top > MAX_TOP_LOGPROBS {
         return Err(
@@ -353,9 +384,13 @@ async fn chat(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
         );
     }
     let want_lp = r.logprobs.unwrap_or(false);
-    let reqs = r
+    let mut reqs = r
         .sampling
         .requests(&s, prompt.clone(), if want_lp { top.max(1) } else { 0 })?;
+    for q in &mut reqs {
+        q.constraint.clone_from(&plan.constraint);
+    }
+    let call_tools = plan.tools.map(Arc::new);
     let id = request_id("chatcmpl-");
     let created = unix_time();
     if r.sampling.stream() {
@@ -368,6 +403,7 @@ async fn chat(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
             prompt.len(),
             r.sampling.include_usage(),
             want_lp.then_some(top),
+            call_tools,
         ));
     }
     let choices = collect(&s.worker, reqs).await?;
@@ -376,11 +412,12 @@ async fn chat(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
         .iter()
         .enumerate()
         .map(|(i, c)| {
+            let (message, called) = tools::chat_message(&c.text, call_tools.as_deref());
             json!({
                 "index": i,
-                "message": {"role": "assistant", "content": c.text},
+                "message": message,
                 "logprobs": want_lp.then(|| json!({"content": c.steps.iter().map(|st| chat_logprob(&s, st, top)).collect::<Vec<_>>()})),
-                "finish_reason": c.reason.as_ref().map(openai_reason),
+                "finish_reason": called.or(c.reason.as_ref().map(openai_reason)),
             })
         })
         .collect();
@@ -390,7 +427,7 @@ async fn chat(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
         "created": created,
         "model": s.model_name,
         "choices": out,
-        "usage": usage(prompt.len(), completion),
+        "usage": usage(prompt.len(), completion, cached(&choices)),
     }))
     .into_response())
 }
@@ -416,6 +453,7 @@ fn end_stream(tx: &SseSender, usage_chunk: Option<Value>) {
     let _ = tx.send(Ok(SseEvent::default().data("[DONE]")));
 }
 
+#[allow(clippy::too_many_arguments)] // one call site; a struct would only rename them
 fn stream_chat(
     s: Arc<AppState>,
     mut rx: tokio::sync::mpsc::UnboundedReceiver<(usize, ChoiceUpdate)>,
@@ -424,6 +462,7 @@ fn stream_chat(
     prompt_tokens: usize,
     include_usage: bool,
     logprobs: Option<usize>,
+    call_tools: Option<Arc<Tools>>,
 ) -> Response {
     let (tx, out) = tokio::sync::mpsc::unbounded_channel();
     // The merged receiver ends once every choice has ended.
@@ -431,6 +470,9 @@ fn stream_chat(
         let chunk = |choices: Value| json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": s.model_name, "choices": choices});
         let mut started = std::collections::HashSet::new();
         let mut completion = 0usize;
+        let mut cached = 0usize;
+        // With tools, text that may be a call is held back per choice until it ends.
+        let mut filters: BTreeMap<usize, CallFilter> = BTreeMap::new();
         while let Some((i, u)) = rx.recv().await {
             if started.insert(i) {
                 let first = chunk(
@@ -441,8 +483,11 @@ fn stream_chat(
                 }
             }
             let msg = match u {
-                ChoiceUpdate::Token { step, text } => {
+                ChoiceUpdate::Token { step, mut text } => {
                     completion += 1;
+                    if call_tools.is_some() {
+                        text = filters.entry(i).or_default().push(&text);
+                    }
                     let lp = logprobs.map(|top| json!({"content": [chat_logprob(&s, &step, top)]}));
                     if text.is_empty() && lp.is_none() {
                         continue;
@@ -451,7 +496,20 @@ fn stream_chat(
                         json!([{"index": i, "delta": {"content": text}, "logprobs": lp, "finish_reason": null}]),
                     )
                 }
-                ChoiceUpdate::Done { reason, text } => {
+                ChoiceUpdate::Done {
+                    reason,
+                    mut text,
+                    cached: c,
+                } => {
+                    cached = cached.max(c);
+                    let mut calls = Vec::new();
+                    if let Some(t) = &call_tools {
+                        let f = filters.entry(i).or_default();
+                        let pushed = f.push(&text);
+                        let (rest, found) = f.finish(t);
+                        text = pushed + &rest;
+                        calls = found;
+                    }
                     if !text.is_empty() {
                         let c = chunk(
                             json!([{"index": i, "delta": {"content": text}, "logprobs": null, "finish_reason": null}]),
@@ -460,8 +518,18 @@ fn stream_chat(
                             return;
                         }
                     }
+                    let mut finish = openai_reason(&reason);
+                    if !calls.is_empty() {
+                        let c = chunk(
+                            json!([{"index": i, "delta": tools::calls_delta(&calls), "logprobs": null, "finish_reason": null}]),
+                        );
+                        if tx.send(sse(&c)).is_err() {
+                            return;
+                        }
+                        finish = "tool_calls";
+                    }
                     chunk(
-                        json!([{"index": i, "delta": {}, "logprobs": null, "finish_reason": openai_reason(&reason)}]),
+                        json!([{"index": i, "delta": {}, "logprobs": null, "finish_reason": finish}]),
                     )
                 }
                 ChoiceUpdate::Failed(e) => {
@@ -474,7 +542,7 @@ fn stream_chat(
             }
         }
         let mut u = chunk(json!([]));
-        u["usage"] = usage(prompt_tokens, completion);
+        u["usage"] = usage(prompt_tokens, completion, cached);
         end_stream(&tx, include_usage.then_some(u));
     });
     Sse::new(UnboundedReceiverStream::new(out)).into_response()
@@ -555,6 +623,7 @@ async fn completion(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError>
         tokio::spawn(async move {
             let chunk = |choices: Value| json!({"id": id, "object": "text_completion", "created": created, "model": name, "choices": choices});
             let mut completion = 0usize;
+            let mut cached = 0usize;
             let mut echoed = std::collections::HashSet::new();
             while let Some((i, u)) = rx.recv().await {
                 let mut text = String::new();
@@ -572,7 +641,12 @@ async fn completion(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError>
                             json!([{"index": i, "text": text, "logprobs": null, "finish_reason": null}]),
                         )
                     }
-                    ChoiceUpdate::Done { reason, text: t } => {
+                    ChoiceUpdate::Done {
+                        reason,
+                        text: t,
+                        cached: c,
+                    } => {
+                        cached = cached.max(c);
                         text.push_str(&t);
                         chunk(
                             json!([{"index": i, "text": text, "logprobs": null, "finish_reason": openai_reason(&reason)}]),
@@ -588,7 +662,7 @@ async fn completion(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError>
                 }
             }
             let mut u = chunk(json!([]));
-            u["usage"] = usage(prompt.len(), completion);
+            u["usage"] = usage(prompt.len(), completion, cached);
             end_stream(&tx, include_usage.then_some(u));
         });
         return Ok(Sse::new(UnboundedReceiverStream::new(out)).into_response());
@@ -613,7 +687,7 @@ async fn completion(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError>
         "created": created,
         "model": s.model_name,
         "choices": out,
-        "usage": usage(prompt.len(), completion),
+        "usage": usage(prompt.len(), completion, cached(&choices)),
     }))
     .into_response())
 }

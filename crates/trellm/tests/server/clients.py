@@ -25,6 +25,11 @@ assert c.finish_reason in ("stop", "length")
 assert r.usage.prompt_tokens > 0 and r.usage.completion_tokens > 0
 assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
 
+# chat_template_kwargs go to the template (SmolLM2's reads none of them: the same prompt).
+k = oa.chat.completions.create(model=model, messages=question, max_tokens=24, temperature=0,
+                               extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+assert k.choices[0].message.content == expected, (k.choices[0].message.content, expected)
+
 # Streaming: a role chunk, deltas, a finish chunk, a usage chunk, [DONE] (the client stops there).
 chunks = list(oa.chat.completions.create(
     model=model, messages=question, max_tokens=24, temperature=0, stream=True,
@@ -35,6 +40,8 @@ assert text == expected, (text, expected)
 finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
 assert finish == [c.finish_reason], finish
 assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+# The same prompt again: its full KV blocks came from the prefix cache.
+assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0, chunks[-1].usage
 
 # n choices, seeds: the same seed gives the same text; logprobs.
 kw = dict(model=model, messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=16,
@@ -71,6 +78,7 @@ for bad, exc in [
     (dict(temperature=-1), openai.BadRequestError),
     (dict(max_tokens=10**7), openai.BadRequestError),
     (dict(messages=[]), openai.BadRequestError),
+    (dict(extra_body={"chat_template_kwargs": {"messages": []}}), openai.BadRequestError),
 ]:
     args = dict(model=model, messages=question, max_tokens=4)
     args.update(bad)
@@ -86,6 +94,7 @@ greedy = {"temperature": 0}
 m = an.messages.create(model=model, max_tokens=24, messages=question, extra_body=greedy)
 assert m.content[0].type == "text" and m.content[0].text == expected, (m.content, expected)
 assert m.stop_reason in ("end_turn", "max_tokens") and m.usage.output_tokens > 0
+assert m.usage.cache_read_input_tokens > 0, m.usage
 with an.messages.stream(model=model, max_tokens=24, messages=question, extra_body=greedy) as st:
     streamed = "".join(st.text_stream)
     final = st.get_final_message()
@@ -94,7 +103,7 @@ sq = an.messages.create(model=model, max_tokens=24, messages=question, extra_bod
                         stop_sequences=[" Paris"])
 assert sq.stop_reason == "stop_sequence" and sq.stop_sequence == " Paris"
 n = an.messages.count_tokens(model=model, messages=question)
-assert n.input_tokens == m.usage.input_tokens
+assert n.input_tokens == m.usage.input_tokens + m.usage.cache_read_input_tokens
 try:
     an.messages.create(model=model, max_tokens=0, messages=question)
     raise AssertionError("no error for max_tokens=0")
