@@ -2,7 +2,8 @@
 //!
 //! The crate follows the data flow: `model` turns files into a model (its description lives in
 //! `trellm-model`, shared by every backend), `backend` holds the arithmetic of each device,
-//! `engine` schedules many sequences over one loaded model, `cli` is the command line.
+//! `engine` schedules many sequences over one loaded model, `eval` measures perplexity and KL
+//! divergence over a text, `cli` is the command line.
 //!
 //! # Embedding it
 //!
@@ -55,6 +56,7 @@
 pub mod backend;
 pub mod cli;
 pub mod engine;
+pub mod eval;
 pub mod model;
 pub mod server;
 

@@ -3,6 +3,7 @@
 mod bench;
 mod bench_cuda;
 mod chat;
+mod eval;
 mod flags;
 mod generate;
 mod models;
@@ -44,6 +45,8 @@ pub enum Command {
     Chat(chat::ChatArgs),
     /// Measure prompt processing and generation speed (llama-bench's pp/tg).
     Bench(bench::BenchArgs),
+    /// Perplexity of a text and KL divergence against a reference (llama-perplexity's method).
+    Eval(eval::EvalArgs),
     /// Download a known model (or a Hugging Face repo) into the cache; prints its path last.
     Pull {
         /// Alias (smollm2-135m-instruct, gemma-3-270m) or Hugging Face repo id.
@@ -192,6 +195,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Serve(a) => serve::run(a),
         Command::Chat(a) => chat::run(a),
         Command::Bench(a) => bench::run(a),
+        Command::Eval(a) => eval::run(a),
         Command::Pull { model } => {
             let path = trellm_hub::pull(&model, true)?;
             output::print(&format!("{}\n", path.display()))?;
