@@ -204,7 +204,7 @@ fn bad_requests_get_envelopes_and_the_server_keeps_serving() {
             "/v1/chat/completions",
             format!(
                 r#"{{"messages": [{{"role": "user", "content": "{}"}}]}}"#,
-                "a".repeat(9 << 20)
+                "a".repeat(100 << 20)
             )
             .into_bytes(),
             413,
