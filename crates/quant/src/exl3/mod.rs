@@ -11,6 +11,7 @@
 //! engine runs (Hadamards applied to activations, weights never expanded beyond one tile).
 
 pub mod codebook;
+pub mod encode;
 pub mod hadamard;
 mod kernel;
 pub mod matmul;
