@@ -31,12 +31,12 @@ impl Rng {
 fn cb_rms(cb: Codebook) -> f32 {
     match cb {
         Codebook::Mul1 => 1.0,
-        _ => 1.24371088,
+        _ => 1.243_710_9,
     }
 }
 
 fn gaussian_tile(rng: &mut Rng) -> [f32; 256] {
-    std::array::from_fn(|_| 1.24371088 * rng.gauss())
+    std::array::from_fn(|_| 1.243_710_9 * rng.gauss())
 }
 
 /// Squared error in position order, as the encoder sums it.
@@ -219,8 +219,8 @@ fn no_worse_than_exllamav3_on_its_layers() {
                 k,
                 n,
             );
-            // 24 tiles: one tile row of the layer.
-            let tiles: Vec<[f32; 256]> = (0..24)
+            // 12 tiles of the first tile row.
+            let tiles: Vec<[f32; 256]> = (0..12)
                 .map(|tn| std::array::from_fn(|i| target[(i / 16) * n + 16 * tn + i % 16]))
                 .collect();
             let ours: f64 = encode::encode_tiles(&tiles, kb, cb)

@@ -91,10 +91,60 @@ fn step_scalar(
 mod avx512 {
     use std::arch::x86_64::*;
 
-    /// [`super::step_scalar`] on 16 edges at a time: the 16 states of one candidate `c` are
-    /// consecutive in the table; their previous edges are `16 >> K` consecutive costs, each
-    /// repeated 2^K times (one broadcast from K = 4). Same operations in the same order per
-    /// lane, so the results are bit-identical.
+    /// [`super::step_scalar`] on 64 edges at a time (four independent 16-lane chains, so the
+    /// compare/select latency overlaps): the 16 states of one candidate `c` are consecutive in
+    /// the table; their previous edges are `16 >> K` consecutive costs, each repeated 2^K times
+    /// (one broadcast from K = 4). Same operations in the same order per lane as the scalar
+    /// step, so the results are bit-identical.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn step_k<const K: u32>(
+        table: &[f32; 65536],
+        prev: &[f32],
+        next: &mut [f32],
+        bp: &mut [u8],
+        w: f32,
+    ) {
+        let kr = 16 - K;
+        let edges = 1usize << kr;
+        debug_assert!(prev.len() >= edges + 16 && next.len() >= edges && bp.len() >= edges);
+        let wv = _mm512_set1_ps(w);
+        let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        let perm = _mm512_srli_epi32::<K>(lanes);
+        let (tp, pp) = (table.as_ptr(), prev.as_ptr());
+        const G: usize = 4;
+        for o0 in (0..edges).step_by(16 * G) {
+            let mut best = [_mm512_set1_ps(f32::INFINITY); G];
+            let mut bk = [_mm512_setzero_si512(); G];
+            for c in 0..1usize << K {
+                let cv = _mm512_set1_epi32(c as i32);
+                for g in 0..G {
+                    let o = o0 + 16 * g;
+                    let v = _mm512_loadu_ps(tp.add((c << kr) | o));
+                    let base = (c << (kr - K)) | (o >> K);
+                    let p = if K >= 4 {
+                        _mm512_set1_ps(*pp.add(base))
+                    } else {
+                        _mm512_permutexvar_ps(perm, _mm512_loadu_ps(pp.add(base)))
+                    };
+                    let d = _mm512_sub_ps(v, wv);
+                    let cost = _mm512_add_ps(p, _mm512_mul_ps(d, d));
+                    let lt = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(cost, best[g]);
+                    best[g] = _mm512_mask_mov_ps(best[g], lt, cost);
+                    bk[g] = _mm512_mask_mov_epi32(bk[g], lt, cv);
+                }
+            }
+            for g in 0..G {
+                let o = o0 + 16 * g;
+                _mm512_storeu_ps(next.as_mut_ptr().add(o), best[g]);
+                _mm_storeu_si128(
+                    bp.as_mut_ptr().add(o) as *mut __m128i,
+                    _mm512_cvtepi32_epi8(bk[g]),
+                );
+            }
+        }
+    }
+
+    /// Dispatches to the kernel compiled for this K (1..=8).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     pub(super) unsafe fn step(
         k: u32,
@@ -104,35 +154,15 @@ mod avx512 {
         bp: &mut [u8],
         w: f32,
     ) {
-        let kr = 16 - k;
-        let edges = 1usize << kr;
-        debug_assert!(prev.len() >= edges + 16 && next.len() >= edges && bp.len() >= edges);
-        let wv = _mm512_set1_ps(w);
-        let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        let perm = _mm512_srlv_epi32(lanes, _mm512_set1_epi32(k as i32));
-        let (tp, pp) = (table.as_ptr(), prev.as_ptr());
-        for o0 in (0..edges).step_by(16) {
-            let mut best = _mm512_set1_ps(f32::INFINITY);
-            let mut bk = _mm512_setzero_si512();
-            for c in 0..1usize << k {
-                let v = _mm512_loadu_ps(tp.add((c << kr) | o0));
-                let base = (c << (kr - k)) | (o0 >> k);
-                let p = if k >= 4 {
-                    _mm512_set1_ps(*pp.add(base))
-                } else {
-                    _mm512_permutexvar_ps(perm, _mm512_loadu_ps(pp.add(base)))
-                };
-                let d = _mm512_sub_ps(v, wv);
-                let cost = _mm512_add_ps(p, _mm512_mul_ps(d, d));
-                let lt = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(cost, best);
-                best = _mm512_mask_mov_ps(best, lt, cost);
-                bk = _mm512_mask_mov_epi32(bk, lt, _mm512_set1_epi32(c as i32));
-            }
-            _mm512_storeu_ps(next.as_mut_ptr().add(o0), best);
-            _mm_storeu_si128(
-                bp.as_mut_ptr().add(o0) as *mut __m128i,
-                _mm512_cvtepi32_epi8(bk),
-            );
+        match k {
+            1 => step_k::<1>(table, prev, next, bp, w),
+            2 => step_k::<2>(table, prev, next, bp, w),
+            3 => step_k::<3>(table, prev, next, bp, w),
+            4 => step_k::<4>(table, prev, next, bp, w),
+            5 => step_k::<5>(table, prev, next, bp, w),
+            6 => step_k::<6>(table, prev, next, bp, w),
+            7 => step_k::<7>(table, prev, next, bp, w),
+            _ => step_k::<8>(table, prev, next, bp, w),
         }
     }
 }
