@@ -15,6 +15,7 @@ pub mod encode;
 pub mod hadamard;
 mod kernel;
 pub mod matmul;
+pub mod quantize;
 pub mod simd;
 pub mod trellis;
 
