@@ -11,9 +11,11 @@
 //! engine runs (Hadamards applied to activations, weights never expanded beyond one tile).
 
 pub mod codebook;
+pub mod encode;
 pub mod hadamard;
 mod kernel;
 pub mod matmul;
+pub mod quantize;
 pub mod simd;
 pub mod trellis;
 

@@ -1,0 +1,520 @@
+//! Quantizing one linear layer to EXL3: incoherence (random signs, channel scales, 128-blocked
+//! Hadamards), a global scale search, LDLQ rounding against the input second-moment matrix H,
+//! and the tail-biting tile encoder ([`super::encode`]).
+//!
+//! The layer `y = x W`, `W` `[k in][n out]`, becomes `W = diag(suh) H W_inner H diag(svh)`:
+//! exactly what [`super::forward`] and the engine's EXL3 matmul read back. Errors are counted in
+//! the inner frame, where the layer's input is `x_inner = H(x * suh)`; its second moment is
+//! `H_inner = H S H_x S H` with `S = diag(suh)`, and LDLQ minimises `tr(E^T H_inner E)`.
+
+use half::f16;
+use rayon::prelude::*;
+
+use super::codebook::Codebook;
+use super::encode::{self, Scratch};
+use super::hadamard128;
+use super::{Bitrate, Exl3Shape};
+
+/// exllamav3's codebook RMS (3INST/MCG), the size the incoherent weights are scaled to before the
+/// global scale search refines it.
+const CODEBOOK_RMS: f32 = 1.243_710_9;
+
+#[derive(Debug, Clone)]
+pub struct LayerOptions {
+    /// Bits per weight, 1..=8.
+    pub bits: u32,
+    pub codebook: Codebook,
+    /// Seed of the random sign vectors.
+    pub seed: u64,
+    /// Diagonal damping of H, as a fraction of its mean diagonal (exllamav3's 0.025).
+    pub sigma_reg: f64,
+    /// Search the global scale (else 1).
+    pub scale_search: bool,
+}
+
+impl LayerOptions {
+    pub fn new(bits: u32, codebook: Codebook) -> Self {
+        LayerOptions {
+            bits,
+            codebook,
+            seed: 7,
+            sigma_reg: 0.025,
+            scale_search: true,
+        }
+    }
+}
+
+/// One quantized layer, in the tensors the EXL3 folder stores.
+#[derive(Debug, Clone)]
+pub struct QuantizedLayer {
+    pub shape: Exl3Shape,
+    /// `[k/16][n/16][16 K]` int16, as little-endian bytes.
+    pub trellis: Vec<u8>,
+    pub suh: Vec<f16>,
+    pub svh: Vec<f16>,
+    /// `tr(E^T H E) / tr(W^T H W)` in the inner frame (H = identity without calibration).
+    pub proxy_err: f64,
+    pub global_scale: f32,
+    /// What went wrong but was worked around (non-finite or rank-deficient H, ...).
+    pub warnings: Vec<String>,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum QuantizeError {
+    #[error("EXL3 layers must be multiples of 128 in both dimensions (pad first), got {0}x{1}")]
+    NotBlocked(usize, usize),
+    #[error("bits per weight must be 1..=8, got {0}")]
+    Bits(u32),
+    #[error("{what} has {got} values, expected {expected}")]
+    Len {
+        what: &'static str,
+        got: usize,
+        expected: usize,
+    },
+}
+
+/// splitmix64: the signs only need to be reproducible and balanced.
+struct SignRng(u64);
+impl SignRng {
+    fn sign(&mut self) -> f32 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        if (z ^ (z >> 31)) & 1 == 0 {
+            1.0
+        } else {
+            -1.0
+        }
+    }
+}
+
+/// 128-blocked Hadamard along the columns of a `[rows][cols]` matrix (each column's blocks).
+fn hadamard_cols(m: &mut [f32], rows: usize, cols: usize) {
+    let mut col = vec![0.0f32; rows];
+    for c in 0..cols {
+        for r in 0..rows {
+            col[r] = m[r * cols + c];
+        }
+        hadamard128(&mut col);
+        for r in 0..rows {
+            m[r * cols + c] = col[r];
+        }
+    }
+}
+
+fn rms(v: impl Iterator<Item = f32>) -> f32 {
+    let (mut s, mut n) = (0.0f64, 0usize);
+    for x in v {
+        s += (x as f64) * (x as f64);
+        n += 1;
+    }
+    (s / n.max(1) as f64).sqrt() as f32
+}
+
+/// Tile `(tk, tn)` of a `[k][n]` matrix, row-major 16x16.
+fn tile_of(m: &[f32], n: usize, tk: usize, tn: usize) -> [f32; 256] {
+    std::array::from_fn(|i| m[(16 * tk + i / 16) * n + 16 * tn + i % 16])
+}
+
+/// Tiles the scale search tries: a wrapped diagonal three tiles wide (every tile row and
+/// column), plus the highest- and lowest-RMS tiles (outlier channels).
+fn scale_sample(w: &[f32], k: usize, n: usize) -> Vec<[f32; 256]> {
+    let (tk, tn) = (k / 16, n / 16);
+    let len = tk.max(tn);
+    let mut picks: Vec<(usize, usize)> = (0..len)
+        .flat_map(|i| (0..3).map(move |d| (i % tk, (i + d) % tn)))
+        .collect();
+    let mut by_rms: Vec<(f32, usize, usize)> = (0..tk)
+        .flat_map(|a| (0..tn).map(move |b| (a, b)))
+        .map(|(a, b)| (rms(tile_of(w, n, a, b).into_iter()), a, b))
+        .collect();
+    by_rms.sort_by(|x, y| x.0.total_cmp(&y.0));
+    let extra = (picks.len() / 16).max(4).min(by_rms.len().div_ceil(2));
+    picks.extend(by_rms[..extra].iter().map(|t| (t.1, t.2)));
+    picks.extend(by_rms[by_rms.len() - extra..].iter().map(|t| (t.1, t.2)));
+    picks.sort_unstable();
+    picks.dedup();
+    picks
+        .into_iter()
+        .map(|(a, b)| tile_of(w, n, a, b))
+        .collect()
+}
+
+/// Mean squared error, in the unscaled frame, of encoding `tiles * s`.
+fn scaled_mse(tiles: &[[f32; 256]], s: f32, bits: u32, cb: Codebook) -> f64 {
+    let scaled: Vec<[f32; 256]> = tiles.iter().map(|t| t.map(|v| v * s)).collect();
+    let cost: f64 = encode::encode_tiles(&scaled, bits, cb)
+        .iter()
+        .map(|e| e.cost as f64)
+        .sum();
+    cost / (s as f64 * s as f64) / (256 * tiles.len()) as f64
+}
+
+/// The global scale: a coarse grid on every fourth sampled tile, then the best point and its two
+/// neighbours on all of them and a parabola through the three (the curve is flat near its
+/// minimum but not smooth enough for a bisection).
+fn search_scale(tiles: &[[f32; 256]], bits: u32, cb: Codebook) -> f32 {
+    let sub: Vec<[f32; 256]> = tiles.iter().step_by(4).copied().collect();
+    let coarse: Vec<f32> = (0..6).map(|i| 0.5 + 0.12 * i as f32).collect();
+    let c = coarse
+        .iter()
+        .map(|&s| (s, scaled_mse(&sub, s, bits, cb)))
+        .min_by(|a, b| a.1.total_cmp(&b.1))
+        .unwrap()
+        .0;
+    const STEP: f32 = 0.06;
+    let y: Vec<f64> = [-1.0f32, 0.0, 1.0]
+        .iter()
+        .map(|d| scaled_mse(tiles, c + d * STEP, bits, cb))
+        .collect();
+    let denom = y[0] - 2.0 * y[1] + y[2];
+    let offset = if denom > 0.0 {
+        (0.5 * (y[0] - y[2]) / denom).clamp(-1.0, 1.0) as f32
+    } else if y[0] < y[2] {
+        -1.0
+    } else {
+        1.0
+    };
+    (c + offset * STEP).max(0.01)
+}
+
+/// `H` (k x k, f64) made usable: `None` (identity) when it is missing, non-finite or empty,
+/// with a warning for the latter two. Damped by `sigma_reg` of its mean diagonal.
+fn prepare_h(
+    h: Option<&[f64]>,
+    k: usize,
+    sigma_reg: f64,
+    warn: &mut Vec<String>,
+) -> Option<Vec<f64>> {
+    let h = h?;
+    let bad = h.iter().filter(|v| !v.is_finite()).count();
+    if bad > 0 {
+        warn.push(format!(
+            "H has {bad} non-finite entries: quantizing without calibration for this layer"
+        ));
+        return None;
+    }
+    let mean_diag = (0..k).map(|i| h[i * k + i]).sum::<f64>() / k as f64;
+    if mean_diag.is_nan() || mean_diag <= 1e-20 {
+        warn.push("H is zero (no calibration activations): quantizing without it".into());
+        return None;
+    }
+    let mut h = h.to_vec();
+    // Symmetrise (accumulation order can leave it slightly off) and damp.
+    for i in 0..k {
+        for j in 0..i {
+            let m = 0.5 * (h[i * k + j] + h[j * k + i]);
+            h[i * k + j] = m;
+            h[j * k + i] = m;
+        }
+        h[i * k + i] += sigma_reg * mean_diag;
+    }
+    Some(h)
+}
+
+/// In-place lower Cholesky `H = L L^T` (f64); `Err(i)` at the first non-positive pivot.
+fn cholesky(a: &mut [f64], k: usize) -> Result<(), usize> {
+    for j in 0..k {
+        let mut d = a[j * k + j];
+        for p in 0..j {
+            d -= a[j * k + p] * a[j * k + p];
+        }
+        if d.is_nan() || d <= 0.0 || !d.is_finite() {
+            return Err(j);
+        }
+        let d = d.sqrt();
+        a[j * k + j] = d;
+        let (head, tail) = a.split_at_mut((j + 1) * k);
+        let row_j = &head[j * k..j * k + j];
+        tail.par_chunks_mut(k).for_each(|row_i| {
+            let mut s = row_i[j];
+            for p in 0..j {
+                s -= row_i[p] * row_j[p];
+            }
+            row_i[j] = s / d;
+        });
+        for v in &mut a[j * k + j + 1..(j + 1) * k] {
+            *v = 0.0;
+        }
+    }
+    Ok(())
+}
+
+/// The block LDL factor of `H` (k x k): `L` unit block-lower-triangular in 16x16 blocks with
+/// `H = L D L^T`, returned with its diagonal blocks zeroed (only the off-diagonal part is
+/// used). A failed factorization is retried with more damping (up to 10 times), then `None`.
+fn block_ldl(
+    mut h: Vec<f64>,
+    k: usize,
+    sigma_reg: f64,
+    warn: &mut Vec<String>,
+) -> Option<Vec<f64>> {
+    let mean_diag = (0..k).map(|i| h[i * k + i]).sum::<f64>() / k as f64;
+    let damp0 = sigma_reg * mean_diag;
+    let mut l = h.clone();
+    let mut tries = 0;
+    while let Err(at) = cholesky(&mut l, k) {
+        tries += 1;
+        if tries > 10 {
+            warn.push(format!(
+                "H would not factor (pivot {at}) even with extra damping: quantizing without it"
+            ));
+            return None;
+        }
+        for i in 0..k {
+            h[i * k + i] += 2.0 * sigma_reg * mean_diag;
+        }
+        l.copy_from_slice(&h);
+    }
+    if tries > 0 {
+        warn.push(format!("H factored after {tries} extra dampings"));
+    }
+    // Pivots at the damping floor mean directions the calibration never excited.
+    let floor = (0..k)
+        .filter(|&i| l[i * k + i] * l[i * k + i] < 2.0 * damp0.max(1e-300))
+        .count();
+    if floor > k / 16 {
+        warn.push(format!(
+            "H is (near) rank-deficient: {floor} of {k} pivots at the damping floor (too little calibration?)"
+        ));
+    }
+    // L <- L blockdiag(L_jj)^-1, so the diagonal blocks become identities.
+    let mut inv = vec![0.0f64; 256];
+    for b in 0..k / 16 {
+        // Inverse of the lower-triangular 16x16 block by forward substitution.
+        inv.fill(0.0);
+        let d = |r: usize, c: usize| l[(16 * b + r) * k + 16 * b + c];
+        for c in 0..16 {
+            for r in c..16 {
+                let mut s = if r == c { 1.0 } else { 0.0 };
+                for p in c..r {
+                    s -= d(r, p) * inv[p * 16 + c];
+                }
+                inv[r * 16 + c] = s / d(r, r);
+            }
+        }
+        let rows: Vec<usize> = (16 * (b + 1)..k).collect();
+        let mut tmp = [0.0f64; 16];
+        for &r in &rows {
+            let row = &mut l[r * k + 16 * b..r * k + 16 * b + 16];
+            for (c, t) in tmp.iter_mut().enumerate() {
+                *t = (c..16).map(|p| row[p] * inv[p * 16 + c]).sum();
+            }
+            row.copy_from_slice(&tmp);
+        }
+        for r in 16 * b..16 * b + 16 {
+            l[r * k + 16 * b..r * k + 16 * b + 16].fill(0.0);
+        }
+    }
+    Some(l)
+}
+
+/// Quantizes `w` (`[k][n]` row-major, `y = x w`) with optional input second moment `h`
+/// (`[k][k]`, f64; `None` = no calibration). `k` and `n` must be multiples of 128.
+pub fn quantize_layer(
+    w: &[f32],
+    k: usize,
+    n: usize,
+    h: Option<&[f64]>,
+    opts: &LayerOptions,
+) -> Result<QuantizedLayer, QuantizeError> {
+    if k == 0 || n == 0 || !k.is_multiple_of(128) || !n.is_multiple_of(128) {
+        return Err(QuantizeError::NotBlocked(k, n));
+    }
+    if !(1..=8).contains(&opts.bits) {
+        return Err(QuantizeError::Bits(opts.bits));
+    }
+    if w.len() != k * n {
+        return Err(QuantizeError::Len {
+            what: "weight",
+            got: w.len(),
+            expected: k * n,
+        });
+    }
+    if let Some(h) = h {
+        if h.len() != k * k {
+            return Err(QuantizeError::Len {
+                what: "H",
+                got: h.len(),
+                expected: k * k,
+            });
+        }
+    }
+    let (bits, cb) = (opts.bits, opts.codebook);
+    let mut warnings = Vec::new();
+    let mut wr: Vec<f32> = w.to_vec();
+    let bad = wr.iter().filter(|v| !v.is_finite()).count();
+    if bad > 0 {
+        warnings.push(format!("{bad} non-finite weights set to 0"));
+        wr.iter_mut()
+            .filter(|v| !v.is_finite())
+            .for_each(|v| *v = 0.0);
+    }
+    let h = prepare_h(h, k, opts.sigma_reg, &mut warnings);
+
+    // Output signs and channel scales (RMS over inputs, mean-normalised; all-zero columns get
+    // scale 0 so they decode to 0).
+    let mut rng = SignRng(opts.seed);
+    let mut su: Vec<f32> = (0..k).map(|_| rng.sign()).collect();
+    let mut sv: Vec<f32> = (0..n).map(|_| rng.sign()).collect();
+    let col_rms: Vec<f32> = (0..n).map(|c| rms((0..k).map(|r| wr[r * n + c]))).collect();
+    let mean = col_rms.iter().map(|&v| v as f64).sum::<f64>() / n as f64;
+    if mean > 1e-30 {
+        for (s, &r) in sv.iter_mut().zip(&col_rms) {
+            *s *= if r < 1e-30 {
+                0.1
+            } else {
+                (r as f64 / mean) as f32
+            };
+        }
+    }
+    for r in 0..k {
+        for c in 0..n {
+            wr[r * n + c] /= sv[c];
+        }
+    }
+    // All-zero output channels decode to exactly zero.
+    for (s, &r) in sv.iter_mut().zip(&col_rms) {
+        if r < 1e-30 {
+            *s = 0.0;
+        }
+    }
+    wr.par_chunks_mut(n).for_each(hadamard128);
+    // Input signs and channel scales to the codebook's RMS.
+    for r in 0..k {
+        let row = &mut wr[r * n..(r + 1) * n];
+        let mut s = rms(row.iter().copied());
+        if s < 1e-30 {
+            s = 0.1;
+        }
+        su[r] *= s / -CODEBOOK_RMS;
+        row.iter_mut().for_each(|v| *v /= su[r]);
+    }
+    hadamard_cols(&mut wr, k, n);
+
+    let g = if opts.scale_search {
+        search_scale(&scale_sample(&wr, k, n), bits, cb)
+    } else {
+        1.0
+    };
+    wr.iter_mut().for_each(|v| *v *= g);
+    su.iter_mut().for_each(|v| *v /= g);
+    // The stored (fp16) input scales are the ones the reader applies; H uses them too.
+    let suh: Vec<f16> = su.iter().map(|&v| f16::from_f32(v)).collect();
+    let svh: Vec<f16> = sv.iter().map(|&v| f16::from_f32(v)).collect();
+
+    // H in the inner frame: H S H_x S H.
+    let h_inner = h.map(|mut hx| {
+        let s: Vec<f64> = suh.iter().map(|v| v.to_f64()).collect();
+        for i in 0..k {
+            for j in 0..k {
+                hx[i * k + j] *= s[i] * s[j];
+            }
+        }
+        let mut f: Vec<f32> = hx.iter().map(|&v| v as f32).collect();
+        f.par_chunks_mut(k).for_each(hadamard128);
+        hadamard_cols(&mut f, k, k);
+        f.iter().map(|&v| v as f64).collect::<Vec<f64>>()
+    });
+    let l = h_inner
+        .as_ref()
+        .and_then(|hi| block_ldl(hi.clone(), k, opts.sigma_reg, &mut warnings));
+
+    let shape = Exl3Shape {
+        k,
+        n,
+        rate: Bitrate::int(bits),
+        codebook: cb,
+    };
+    let (tiles_k, tiles_n) = (k / 16, n / 16);
+    let tb = shape.rate.tile_bytes();
+    let mut trellis = vec![0u8; shape.trellis_bytes()];
+    let mut q = vec![0.0f32; k * n];
+    // LDLQ, bottom-up: block row j aims at W_j + sum_{i>j} L_ij^T (W_i - Q_i), accumulated in
+    // `comp` as each later block row is finished.
+    let mut comp = vec![0.0f32; k * n];
+    let lf: Option<Vec<f32>> = l.map(|l| l.iter().map(|&v| v as f32).collect());
+    for tk in (0..tiles_k).rev() {
+        let rows = 16 * tk..16 * tk + 16;
+        let target: Vec<f32> = rows
+            .clone()
+            .flat_map(|r| (0..n).map(move |c| r * n + c))
+            .map(|i| wr[i] + comp[i])
+            .collect();
+        let tiles: Vec<[f32; 256]> = (0..tiles_n).map(|tn| tile_of(&target, n, 0, tn)).collect();
+        let enc: Vec<encode::EncodedTile> = tiles
+            .par_iter()
+            .map_init(
+                || Scratch::new(bits),
+                |s, t| encode::encode_tile(t, bits, cb, s),
+            )
+            .collect();
+        for (tn, e) in enc.iter().enumerate() {
+            let dst = (tk * tiles_n + tn) * tb;
+            trellis[dst..dst + tb].copy_from_slice(&e.bytes);
+            for i in 0..256 {
+                q[(16 * tk + i / 16) * n + 16 * tn + i % 16] = e.values[i];
+            }
+        }
+        if let Some(l) = &lf {
+            // comp[r] += sum_{p in block tk} L[p][r] * (W - Q)[p] for every row r above it.
+            let err: Vec<f32> = rows
+                .clone()
+                .flat_map(|p| (0..n).map(move |c| (p, c)))
+                .map(|(p, c)| wr[p * n + c] - q[p * n + c])
+                .collect();
+            comp[..16 * tk * n]
+                .par_chunks_mut(n)
+                .enumerate()
+                .for_each(|(r, crow)| {
+                    for (pi, p) in rows.clone().enumerate() {
+                        let coef = l[p * k + r];
+                        if coef != 0.0 {
+                            let e = &err[pi * n..(pi + 1) * n];
+                            crow.iter_mut().zip(e).for_each(|(c, &ev)| *c += coef * ev);
+                        }
+                    }
+                });
+        }
+    }
+
+    // Proxy error in the inner frame.
+    let proxy_err = match &h_inner {
+        None => {
+            let num: f64 = wr
+                .iter()
+                .zip(&q)
+                .map(|(a, b)| ((a - b) as f64).powi(2))
+                .sum();
+            let den: f64 = wr.iter().map(|&a| (a as f64).powi(2)).sum();
+            num / den.max(1e-30)
+        }
+        Some(hi) => {
+            let quad = |m: &(dyn Fn(usize) -> f64 + Sync)| -> f64 {
+                // sum over columns c of m_c^T H m_c, m_c the column of a [k][n] matrix.
+                (0..n)
+                    .into_par_iter()
+                    .map(|c| {
+                        let col: Vec<f64> = (0..k).map(|r| m(r * n + c)).collect();
+                        (0..k)
+                            .map(|i| col[i] * (0..k).map(|j| hi[i * k + j] * col[j]).sum::<f64>())
+                            .sum::<f64>()
+                    })
+                    .sum()
+            };
+            let num = quad(&|i| (wr[i] - q[i]) as f64);
+            let den = quad(&|i| wr[i] as f64);
+            num / den.max(1e-30)
+        }
+    };
+    Ok(QuantizedLayer {
+        shape,
+        trellis,
+        suh,
+        svh,
+        proxy_err,
+        global_scale: g,
+        warnings,
+    })
+}
