@@ -636,9 +636,9 @@ mod tests {
         let kw = serde_json::json!({"enable_thinking": false, "messages": [], "add_generation_prompt": false});
         assert_eq!(
             t.render_json(&msgs, None, true, kw.as_object()).unwrap(),
-            "no-think hitrue"
+            "no-think hiTrue"
         );
-        assert_eq!(t.render_json(&msgs, None, true, None).unwrap(), "hitrue");
+        assert_eq!(t.render_json(&msgs, None, true, None).unwrap(), "hiTrue");
     }
 
     #[test]
