@@ -24,7 +24,13 @@ peers=${PEERS_BIN:-$(../shared/peers/build_llamacpp_tools.sh "${PEERS_PREFIX:-/t
 bin=${TRELLM_BIN:-target/release/trellm}
 [ -n "${TRELLM_BIN:-}" ] || cargo build --release -q -p trellm
 path=$("$bin" pull "$model" 2>/dev/null | tail -n 1)
-port=18437
+port=${PORT:-18437}
+if curl -s -o /dev/null "http://127.0.0.1:$port/health"; then
+  echo "something already listens on port $port (a server left from an earlier run?)" >&2
+  exit 1
+fi
+pid=""
+trap '[ -z "$pid" ] || kill "$pid" 2>/dev/null' EXIT
 
 wait_ready() {
   for _ in $(seq 600); do
@@ -55,6 +61,7 @@ for _ in $(seq "$rounds"); do
   pid=$!
   wait_ready
   peer+=$(load)$'\n'
+  kill -0 "$pid" 2>/dev/null || echo "llama-server exited during the run" >&2
   kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true
 done
 
