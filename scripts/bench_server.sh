@@ -30,7 +30,7 @@ if curl -s -o /dev/null "http://127.0.0.1:$port/health"; then
   exit 1
 fi
 pid=""
-trap '[ -z "$pid" ] || kill "$pid" 2>/dev/null' EXIT
+trap '[ -z "$pid" ] || kill "$pid" 2>/dev/null || true' EXIT
 
 wait_ready() {
   for _ in $(seq 600); do
@@ -43,7 +43,7 @@ wait_ready() {
 
 load() {
   "$py" scripts/load_clients.py "http://127.0.0.1:$port" "$model" --clients "$clients" \
-    --requests "$requests" --max-tokens "$max_tokens" --prompts "$prompts"
+    --requests "$requests" --max-tokens "$max_tokens" --prompts "$prompts" --retries 2
 }
 
 ours=""

@@ -66,8 +66,11 @@ async def main():
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--check", action="store_true")
+    # llama-server closes idle keep-alive connections, which the client may already be reusing:
+    # the official client's own retries (2 by default) cover that race.
+    ap.add_argument("--retries", type=int, default=0)
     a = ap.parse_args()
-    client = openai.AsyncOpenAI(base_url=a.base + "/v1", api_key="unused", max_retries=0,
+    client = openai.AsyncOpenAI(base_url=a.base + "/v1", api_key="unused", max_retries=a.retries,
                                 timeout=600)
     alone, single_tokens, single_time = {}, 0, 0.0
     for i in range(a.prompts):
