@@ -99,11 +99,6 @@ impl PrefixCache {
             .count()
     }
 
-    /// Of `blocks` (a lookup's result), those only the cache holds so far.
-    pub fn unshared(&self, pool: &BlockPool, blocks: &[u32]) -> usize {
-        blocks.iter().filter(|&&b| pool.holders(b) == 1).count()
-    }
-
     /// Frees up to `n` blocks, least recently used first; returns how many.
     pub fn evict(&mut self, pool: &mut BlockPool, n: usize) -> usize {
         if n == 0 {

@@ -374,7 +374,9 @@ impl<'t> Engine<'t> {
                 Vec::new()
             };
             let need = s.reserved - hit.len();
-            let pinned = self.pinned() + self.prefix.unshared(&self.pool, &hit);
+            // Hit blocks only the cache holds become pinned by this sequence.
+            let newly_pinned = hit.iter().filter(|&&b| self.pool.holders(b) == 1).count();
+            let pinned = self.pinned() + newly_pinned;
             if self.reserved + need + pinned > self.pool.total_blocks() {
                 break;
             }

@@ -41,26 +41,9 @@ impl ApiError {
             "invalid API key",
         )
     }
-    pub fn overloaded() -> Self {
-        Self::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "overloaded_error",
-            "the engine is not accepting requests",
-        )
-    }
-    pub fn busy() -> Self {
-        Self::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "overloaded_error",
-            "the server's queue is full; retry later",
-        )
-    }
-    pub fn loading() -> Self {
-        Self::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "overloaded_error",
-            "the model is still loading",
-        )
+    /// 503 `overloaded_error` (sent with `Retry-After`).
+    pub fn unavailable(message: &str) -> Self {
+        Self::new(StatusCode::SERVICE_UNAVAILABLE, "overloaded_error", message)
     }
 
     fn with_retry(&self, mut r: Response) -> Response {
@@ -181,7 +164,9 @@ pub fn start(
     for (i, r) in reqs.into_iter().enumerate() {
         let (tx, mut rx) = unbounded_channel();
         if !worker.submit(r, tx) {
-            return Err(ApiError::overloaded());
+            return Err(ApiError::unavailable(
+                "the engine is not accepting requests",
+            ));
         }
         let out = out.clone();
         tokio::spawn(async move {
@@ -204,7 +189,12 @@ pub fn start(
                         true,
                     ),
                     Update::Rejected(e) => (ChoiceUpdate::Failed(e.into()), true),
-                    Update::Busy => (ChoiceUpdate::Failed(ApiError::busy()), true),
+                    Update::Busy => (
+                        ChoiceUpdate::Failed(ApiError::unavailable(
+                            "the server's queue is full; retry later",
+                        )),
+                        true,
+                    ),
                 };
                 if out.send((i, msg)).is_err() || last {
                     break;
@@ -223,7 +213,9 @@ pub async fn collect(worker: &Worker, reqs: Vec<Request>) -> Result<Vec<Choice>,
     let mut left = n;
     while left > 0 {
         let Some((i, u)) = rx.recv().await else {
-            return Err(ApiError::overloaded());
+            return Err(ApiError::unavailable(
+                "the engine is not accepting requests",
+            ));
         };
         let c = &mut choices[i];
         match u {

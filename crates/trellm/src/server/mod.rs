@@ -90,7 +90,7 @@ fn loading_router() -> Router {
                 )
             }),
         )
-        .fallback(|| async { api::ApiError::loading().openai() })
+        .fallback(|| async { api::ApiError::unavailable("the model is still loading").openai() })
 }
 
 /// CORS for the given origins (`*`: any); `None` when no origin is allowed.
