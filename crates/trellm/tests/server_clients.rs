@@ -332,7 +332,9 @@ fn a_full_queue_gets_503_with_retry_after_and_cors_only_for_allowed_origins() {
         "http://app.example",
     ]);
     let p = srv.port;
-    let long = br#"{"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 2000, "stream": true, "temperature": 0.8}"#;
+    // SmolLM2's end tokens (<|endoftext|> 0, <|im_end|> 2) suppressed: a sampled story that
+    // ended early would leave the queue empty before the check below.
+    let long = br#"{"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 2000, "stream": true, "temperature": 0.8, "logit_bias": {"0": -100, "2": -100}}"#;
     let mut held = Vec::new();
     for _ in 0..2 {
         held.push(post_chat(p, long));
