@@ -6,7 +6,7 @@ cd "$(dirname "$0")/../.."
 cargo build --release
 mkdir -p .device/tests
 strip -o .device/trellm target/release/trellm
-for pt in trellm:cuda_vs_cpu trellm-cuda:gpu_dense; do
+for pt in trellm:cuda_vs_cpu trellm-cuda:gpu_dense trellm-cuda:gpu_exl3; do
     pkg=${pt%%:*} t=${pt#*:}
     # The test target's executable (the package's binary is built and listed too).
     bin=$(cargo test --release --no-run --message-format=json -p "$pkg" --test "$t" 2>/dev/null \

@@ -11,6 +11,7 @@ use cudarc::driver::sys as dsys;
 use trellm_model::config::{Dims, Family};
 use trellm_model::rope::Rope;
 use trellm_model::{ModelConfig, Plan};
+use trellm_quant::exl3::{Bitrate, Codebook};
 
 use crate::dense::{self, DenseModel, DenseWeights, Shape};
 use crate::{kernels, Arg, Gpu};
@@ -54,6 +55,8 @@ pub struct BenchOptions {
     pub n_gen: usize,
     pub repetitions: usize,
     pub seed: u64,
+    /// Every projection and the head as synthetic EXL3 layers of this codebook and bitrate.
+    pub exl3: Option<(Codebook, Bitrate)>,
 }
 
 #[derive(Debug, Clone)]
@@ -73,7 +76,7 @@ pub struct BenchReport {
     pub decode_bytes_per_s: f64,
     /// Decode, ms per token (median over the repetitions).
     pub decode_ms: f64,
-    /// Replay of the GEMVs alone over the same weights (ms).
+    /// Replay of the linear layers alone over the same weights (ms).
     pub gemv_only_ms: f64,
     /// Greedy ids of the first timed decode steps (a sanity check that logits are alive).
     pub decode_ids: Vec<u32>,
@@ -168,7 +171,8 @@ pub fn run(shape_name: &str, o: &BenchOptions) -> Result<BenchReport> {
         (flops / (ms16 * 1e-3), flops / (ms32 * 1e-3))
     };
 
-    let w = DenseWeights::synthetic(&gpu, &cfg, o.seed)?;
+    let w = DenseWeights::synthetic_with(&gpu, &cfg, o.seed, o.exl3)?;
+    let bytes = w.matrix_bytes();
     let max_context = o.n_prompt.max(o.context + o.n_gen + 1);
     let plan = Plan::new(&cfg);
     let mut model = DenseModel::new(
@@ -218,7 +222,6 @@ pub fn run(shape_name: &str, o: &BenchOptions) -> Result<BenchReport> {
     model.prefill(&tokens[..o.context])?;
     let decode_profile = model.profile_decode_step()?;
     let logits_finite = model.logits()?.iter().all(|v| v.is_finite());
-    let bytes = cfg.decode_weight_bytes();
     Ok(BenchReport {
         device: gpu.name.clone(),
         shape: shape_name.to_string(),

@@ -30,11 +30,13 @@ use trellm_model::config::{Activation, Mlp, Norm, QkNorm};
 use trellm_model::plan::{
     AttentionOp, GluEpilogue, LayerPlan, NormOp, Op, QkvEpilogue, ResidualEpilogue,
 };
-use trellm_model::weights::{LinearWeight, Matrix, NormWeights, Weights};
+use trellm_model::weights::{Exl3Matrix, LinearWeight, Matrix, NormWeights, Weights};
 use trellm_model::{Batch, ModelConfig, Plan, Want};
 
+use crate::exl3::{Exl3Linear, Exl3Scratch, Rows};
 use crate::kernels;
 use crate::{Arg, Gpu};
+use trellm_quant::exl3::{Bitrate, Codebook, Exl3Shape};
 
 /// Sizes derived from a [`ModelConfig`] that the GPU buffers and kernels use.
 pub trait Shape {
@@ -46,9 +48,6 @@ pub trait Shape {
     fn gate_up_rows(&self) -> usize;
     /// Linear parameters per layer (qkv, o, gate/up, down).
     fn layer_matrix_params(&self) -> usize;
-    /// Bytes of weights one decode step reads: every layer's matrices (bf16) and norms (f32),
-    /// the output head and the final norm (the embedding contributes one row).
-    fn decode_weight_bytes(&self) -> usize;
 }
 
 impl Shape for ModelConfig {
@@ -74,15 +73,6 @@ impl Shape for ModelConfig {
     fn layer_matrix_params(&self) -> usize {
         let h = self.hidden;
         self.qkv_dim() * h + h * self.q_dim() + self.gate_up_rows() * h + h * self.intermediate
-    }
-    fn decode_weight_bytes(&self) -> usize {
-        let h = self.hidden;
-        let norms = (self.pre_norms as usize * 2 + self.post_norms as usize * 2)
-            * h
-            * 4
-            * if self.norm == Norm::Layer { 2 } else { 1 };
-        let per_layer = self.layer_matrix_params() * 2 + norms;
-        self.n_layers() * per_layer + self.vocab * h * 2 + h * 4 + h * 2
     }
 }
 
@@ -174,9 +164,56 @@ pub struct DeviceNorm {
     pub b: Option<CudaSlice<f32>>,
 }
 
-/// A linear layer on the device: bf16 weights, row-major `[out, in]`, and an f32 bias.
-pub struct Bf16Linear {
-    pub w: CudaSlice<u16>,
+/// A projection's matrix on the device.
+pub enum DeviceMatrix {
+    /// bf16, row-major `[out, in]` (the fused decode GEMVs read it directly).
+    Bf16(CudaSlice<u16>),
+    /// EXL3 layers, compressed, their outputs side by side (q, k, v; gate, up).
+    Exl3(Vec<Exl3Linear>),
+}
+
+/// A borrowed [`DeviceMatrix`] (or the embedding as a tied output head).
+#[derive(Clone, Copy)]
+enum MatRef<'a> {
+    Bf16(u64),
+    Exl3(&'a [Exl3Linear]),
+}
+
+impl DeviceMatrix {
+    fn view(&self, g: &Gpu) -> MatRef<'_> {
+        match self {
+            DeviceMatrix::Bf16(w) => MatRef::Bf16(g.ptr(w)),
+            DeviceMatrix::Exl3(parts) => MatRef::Exl3(parts),
+        }
+    }
+
+    /// The bf16 matrix, where the fused decode kernels can read it.
+    fn bf16(&self, g: &Gpu) -> Option<u64> {
+        match self {
+            DeviceMatrix::Bf16(w) => Some(g.ptr(w)),
+            DeviceMatrix::Exl3(_) => None,
+        }
+    }
+
+    fn exl3(&self) -> &[Exl3Linear] {
+        match self {
+            DeviceMatrix::Bf16(_) => &[],
+            DeviceMatrix::Exl3(parts) => parts,
+        }
+    }
+
+    /// Bytes on the device.
+    pub fn device_bytes(&self) -> usize {
+        match self {
+            DeviceMatrix::Bf16(w) => 2 * w.len(),
+            DeviceMatrix::Exl3(parts) => parts.iter().map(Exl3Linear::device_bytes).sum(),
+        }
+    }
+}
+
+/// A linear layer on the device: its matrix and an f32 bias (applied by the kernel after it).
+pub struct DeviceLinear {
+    pub w: DeviceMatrix,
     pub b: Option<CudaSlice<f32>>,
 }
 
@@ -184,14 +221,14 @@ pub struct Bf16Linear {
 /// gate rows then up rows (gated MLPs).
 pub struct LayerBuffers {
     pub attn_norm: Option<DeviceNorm>,
-    pub qkv: Bf16Linear,
+    pub qkv: DeviceLinear,
     pub q_norm: Option<CudaSlice<f32>>,
     pub k_norm: Option<CudaSlice<f32>>,
-    pub o: Bf16Linear,
+    pub o: DeviceLinear,
     pub post_attn_norm: Option<DeviceNorm>,
     pub ffn_norm: Option<DeviceNorm>,
-    pub gate_up: Bf16Linear,
-    pub down: Bf16Linear,
+    pub gate_up: DeviceLinear,
+    pub down: DeviceLinear,
     pub post_ffn_norm: Option<DeviceNorm>,
     pub inv_freq: Option<CudaSlice<f32>>,
 }
@@ -202,14 +239,48 @@ pub struct DenseWeights {
     pub layers: Vec<LayerBuffers>,
     pub final_norm: DeviceNorm,
     /// None when tied to the embedding.
-    pub lm_head: Option<CudaSlice<u16>>,
+    pub lm_head: Option<DeviceMatrix>,
 }
 
-/// The matrix of a projection in a ggml format (EXL3 weights need the trellis kernels).
+impl DenseWeights {
+    /// Every EXL3 layer, with whether it is the output head.
+    fn exl3_layers(&self) -> impl Iterator<Item = (&Exl3Linear, bool)> {
+        let body = self.layers.iter().flat_map(|l| {
+            [&l.qkv, &l.o, &l.gate_up, &l.down]
+                .into_iter()
+                .flat_map(|p| p.w.exl3().iter().map(|e| (e, false)))
+        });
+        let head = self
+            .lm_head
+            .iter()
+            .flat_map(|h| h.exl3().iter().map(|e| (e, true)));
+        body.chain(head)
+    }
+
+    /// Bytes of the matrices one decode step reads (every projection and the output head).
+    pub fn matrix_bytes(&self) -> usize {
+        let body: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                [&l.qkv, &l.o, &l.gate_up, &l.down]
+                    .iter()
+                    .map(|p| p.w.device_bytes())
+                    .sum::<usize>()
+            })
+            .sum();
+        body + self
+            .lm_head
+            .as_ref()
+            .map_or(2 * self.embed.len(), DeviceMatrix::device_bytes)
+    }
+}
+
+/// The matrix of a projection in a ggml format.
 fn ggml(l: &LinearWeight) -> Result<&Matrix> {
     match l {
         LinearWeight::Ggml(m) => Ok(m),
-        LinearWeight::Exl3(_) => bail!("EXL3 weights are not supported on CUDA yet"),
+        LinearWeight::Exl3(_) => bail!("an EXL3 matrix where a ggml one was expected"),
     }
 }
 
@@ -247,15 +318,39 @@ impl DenseWeights {
         let opt = |v: &Option<Vec<f32>>| -> Result<Option<CudaSlice<f32>>> {
             v.as_deref().map(|b| gpu.upload(b)).transpose()
         };
+        // Projections stored in a ggml format become one bf16 matrix; EXL3 ones stay compressed.
+        let matrix = |ws: &[&LinearWeight]| -> Result<DeviceMatrix> {
+            let exl3: Vec<&Exl3Matrix> = ws
+                .iter()
+                .filter_map(|w| match w {
+                    LinearWeight::Exl3(e) => Some(e),
+                    LinearWeight::Ggml(_) => None,
+                })
+                .collect();
+            if exl3.is_empty() {
+                let ms = ws.iter().map(|w| ggml(w)).collect::<Result<Vec<_>>>()?;
+                return Ok(DeviceMatrix::Bf16(gpu.upload(&bf16_rows(&ms))?));
+            }
+            ensure!(
+                exl3.len() == ws.len(),
+                "a stacked projection mixes EXL3 and other weights, which CUDA does not run"
+            );
+            Ok(DeviceMatrix::Exl3(
+                exl3.iter()
+                    .map(|e| Exl3Linear::upload(gpu, e, None))
+                    .collect::<Result<_>>()?,
+            ))
+        };
         // Several projections stacked into one matrix (biases side by side, zeros where one
         // has none; no bias if none has one).
         let linear = |ls: &[&trellm_model::weights::Linear], rows: usize, cols: usize| {
-            let ms = ls.iter().map(|l| ggml(&l.w)).collect::<Result<Vec<_>>>()?;
             ensure!(
-                ms.iter().map(|m| m.rows).sum::<usize>() == rows
-                    && ms.iter().all(|m| m.cols == cols),
+                ls.iter().map(|l| l.w.rows()).sum::<usize>() == rows
+                    && ls.iter().all(|l| l.w.cols() == cols),
                 "a projection of {:?}, expected {rows}x{cols}",
-                ms.iter().map(|m| (m.rows, m.cols)).collect::<Vec<_>>()
+                ls.iter()
+                    .map(|l| (l.w.rows(), l.w.cols()))
+                    .collect::<Vec<_>>()
             );
             let b = if ls.iter().all(|l| l.b.is_none()) {
                 None
@@ -269,8 +364,8 @@ impl DenseWeights {
                 }
                 Some(gpu.upload(&v)?)
             };
-            Ok(Bf16Linear {
-                w: gpu.upload(&bf16_rows(&ms))?,
+            Ok(DeviceLinear {
+                w: matrix(&ls.iter().map(|l| &l.w).collect::<Vec<_>>())?,
                 b,
             })
         };
@@ -308,14 +403,14 @@ impl DenseWeights {
         let lm_head = if cfg.tied_embeddings {
             None
         } else {
-            let m = ggml(&w.lm_head)?;
+            let m = &w.lm_head;
             ensure!(
-                m.rows == cfg.vocab && m.cols == h,
+                m.rows() == cfg.vocab && m.cols() == h,
                 "lm_head of {}x{}",
-                m.rows,
-                m.cols
+                m.rows(),
+                m.cols()
             );
-            Some(gpu.upload(&bf16_rows(&[m]))?)
+            Some(matrix(&[m])?)
         };
         Ok(DenseWeights {
             embed: gpu.upload(&bf16_rows(&[&w.embed]))?,
@@ -328,14 +423,29 @@ impl DenseWeights {
     /// Seeded random weights generated on the device (uniform, scaled by `1/sqrt(fan_in)`), norms
     /// of one; biases zero. Nothing large crosses the bus.
     pub fn synthetic(gpu: &Gpu, cfg: &ModelConfig, seed: u64) -> Result<DenseWeights> {
+        Self::synthetic_with(gpu, cfg, seed, None)
+    }
+
+    /// [`Self::synthetic`], with every projection and the output head as random EXL3 layers of
+    /// `exl3`'s codebook and bitrate (the embedding stays bf16), dimensions padded to 128s.
+    pub fn synthetic_with(
+        gpu: &Gpu,
+        cfg: &ModelConfig,
+        seed: u64,
+        exl3: Option<(Codebook, Bitrate)>,
+    ) -> Result<DenseWeights> {
         validate(cfg)?;
         let fill = gpu.function(&kernels::ELEMENTWISE, &[], "fill_uniform_bf16")?;
         let fill_f = gpu.function(&kernels::ELEMENTWISE, &[], "fill_f32")?;
-        let mut counter = seed.wrapping_mul(0x2545_f491_4f6c_dd1d);
-        let mut mat = |rows: usize, cols: usize| -> Result<CudaSlice<u16>> {
+        let counter = std::cell::Cell::new(seed.wrapping_mul(0x2545_f491_4f6c_dd1d));
+        let bump = || {
+            counter.set(counter.get().wrapping_add(0x9e37_79b9_7f4a_7c15));
+            counter.get()
+        };
+        let mat = |rows: usize, cols: usize| -> Result<CudaSlice<u16>> {
             let n = rows * cols;
             let s = gpu.alloc::<u16>(n)?;
-            counter = counter.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let counter = bump();
             // Uniform in [-a, a) has variance a^2/3: a = sqrt(3/fan_in) keeps activations at scale.
             let a = (3.0 / cols as f32).sqrt();
             gpu.launch(
@@ -374,6 +484,31 @@ impl DenseWeights {
         let zeros = |on: bool, n: usize| -> Result<Option<CudaSlice<f32>>> {
             on.then(|| gpu.alloc::<f32>(n)).transpose()
         };
+        // One matrix of `parts` stacked row counts.
+        let matrix = |parts: &[usize], cols: usize| -> Result<DeviceMatrix> {
+            let Some((codebook, rate)) = exl3 else {
+                return Ok(DeviceMatrix::Bf16(mat(parts.iter().sum(), cols)?));
+            };
+            let k = cols.next_multiple_of(128);
+            let layers = parts
+                .iter()
+                .map(|&rows| {
+                    let shape = Exl3Shape {
+                        k,
+                        n: rows.next_multiple_of(128),
+                        rate,
+                        codebook,
+                    };
+                    Exl3Linear::synthetic(gpu, shape, bump()).map(|l| l.used(rows, cols))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            Ok(DeviceMatrix::Exl3(layers))
+        };
+        let gate_up_parts: Vec<usize> = if cfg.gated() {
+            vec![cfg.intermediate; 2]
+        } else {
+            vec![cfg.intermediate]
+        };
         let mut layers = Vec::with_capacity(cfg.n_layers());
         for spec in &cfg.layers {
             let qk = |n| -> Result<Option<CudaSlice<f32>>> {
@@ -385,24 +520,24 @@ impl DenseWeights {
             };
             layers.push(LayerBuffers {
                 attn_norm: cfg.pre_norms.then(|| norm(&ones)).transpose()?,
-                qkv: Bf16Linear {
-                    w: mat(cfg.qkv_dim(), h)?,
+                qkv: DeviceLinear {
+                    w: matrix(&[cfg.q_dim(), cfg.kv_dim(), cfg.kv_dim()], h)?,
                     b: zeros(cfg.qkv_bias, cfg.qkv_dim())?,
                 },
                 q_norm: qk(cfg.q_dim())?,
                 k_norm: qk(cfg.kv_dim())?,
-                o: Bf16Linear {
-                    w: mat(h, cfg.q_dim())?,
+                o: DeviceLinear {
+                    w: matrix(&[h], cfg.q_dim())?,
                     b: zeros(cfg.o_bias, h)?,
                 },
                 post_attn_norm: cfg.post_norms.then(|| norm(&ones)).transpose()?,
                 ffn_norm: cfg.pre_norms.then(|| norm(&ones)).transpose()?,
-                gate_up: Bf16Linear {
-                    w: mat(cfg.gate_up_rows(), h)?,
+                gate_up: DeviceLinear {
+                    w: matrix(&gate_up_parts, h)?,
                     b: zeros(cfg.mlp_bias, cfg.gate_up_rows())?,
                 },
-                down: Bf16Linear {
-                    w: mat(h, cfg.intermediate)?,
+                down: DeviceLinear {
+                    w: matrix(&[h], cfg.intermediate)?,
                     b: zeros(cfg.mlp_bias, h)?,
                 },
                 post_ffn_norm: cfg.post_norms.then(|| norm(&ones)).transpose()?,
@@ -414,10 +549,20 @@ impl DenseWeights {
             });
         }
         let embed = mat(cfg.vocab, h)?;
-        let lm_head = if cfg.tied_embeddings {
-            None
-        } else {
-            Some(mat(cfg.vocab, h)?)
+        let lm_head = match exl3 {
+            // exllamav3's default: the head at 6 bits of the model's codebook.
+            Some((codebook, _)) => {
+                let shape = Exl3Shape {
+                    k: h.next_multiple_of(128),
+                    n: cfg.vocab.next_multiple_of(128),
+                    rate: Bitrate::int(SYNTHETIC_HEAD_BITS),
+                    codebook,
+                };
+                let head = Exl3Linear::synthetic(gpu, shape, bump())?.used(cfg.vocab, h);
+                Some(DeviceMatrix::Exl3(vec![head]))
+            }
+            None if cfg.tied_embeddings => None,
+            None => Some(DeviceMatrix::Bf16(mat(cfg.vocab, h)?)),
         };
         let final_norm = norm(&ones)?;
         gpu.sync()?;
@@ -429,6 +574,9 @@ impl DenseWeights {
         })
     }
 }
+
+/// Bits of a synthetic EXL3 model's output head (exllamav3 converts heads at 6 by default).
+pub const SYNTHETIC_HEAD_BITS: u32 = 6;
 
 /// Decode attention blocks to aim for when the splits share the actual context (H200 runs 6-7:
 /// 256 blocks, one 32-key tile each at ctx 512-640, beat 128 and 512).
@@ -574,6 +722,8 @@ pub struct DenseModel {
     /// Query tokens per chunk of the GEMM attention (bounds the score buffer).
     attn_rows: usize,
     opts: Options,
+    /// The EXL3 layers' scratch (None without EXL3 weights).
+    exl3: Option<Exl3Scratch>,
 }
 
 /// Where a forward pass takes its inputs.
@@ -742,6 +892,16 @@ impl DenseModel {
             .iter()
             .map(|o| o.qkv.rope.as_ref().map(|r| r.inv_freq(1)))
             .collect();
+        // The head runs on at most a pass's wanted rows, the rest on up to a prefill chunk.
+        let exl3_layers: Vec<(&Exl3Linear, usize)> = w
+            .exl3_layers()
+            .map(|(l, head)| (l, if head { MAX_SEQS.min(t) } else { t }))
+            .collect();
+        let exl3 = if exl3_layers.is_empty() {
+            None
+        } else {
+            Some(Exl3Scratch::new(&gpu, &exl3_layers)?)
+        };
         Ok(DenseModel {
             gpu,
             cfg: cfg.clone(),
@@ -758,6 +918,7 @@ impl DenseModel {
             paged_graphs: Vec::new(),
             attn_rows,
             opts,
+            exl3,
         })
     }
 
@@ -932,9 +1093,10 @@ impl DenseModel {
         Ok(graph)
     }
 
-    /// A graph of only the decode step's weight streaming: every layer's GEMVs and the output
-    /// head, on whatever the activation buffers hold. Its replay time is what the GEMV alone
-    /// achieves over the same bytes.
+    /// A graph of only the decode step's linear layers: every layer's projections (bf16: our
+    /// GEMVs, gate/up with its activation fused; EXL3: the trellis layers with their Hadamards)
+    /// and the output head, on whatever the activation buffers hold. Its replay time is what the
+    /// matrix work of one token costs alone.
     pub fn capture_gemv_only(&self) -> Result<CudaGraph> {
         let (g, c, b) = (&*self.gpu, &self.cfg, &self.b);
         let h = c.hidden;
@@ -944,36 +1106,40 @@ impl DenseModel {
         let r = (|| -> Result<()> {
             let (xn, y, act) = (g.ptr(&b.xn), g.ptr(&b.y), g.ptr(&b.act));
             for lw in &self.w.layers {
-                self.matmul(1, xn, g.ptr(&lw.qkv.w), c.qkv_dim(), h, g.ptr(&b.qkv))?;
-                self.matmul(1, g.ptr(&b.attn), g.ptr(&lw.o.w), h, c.q_dim(), y)?;
+                self.linear(1, xn, lw.qkv.w.view(g), c.qkv_dim(), h, g.ptr(&b.qkv))?;
+                self.linear(1, g.ptr(&b.attn), lw.o.w.view(g), h, c.q_dim(), y)?;
                 let ff = c.intermediate;
-                let (func, blocks) = if c.gated() {
-                    (&self.f.gemv_glu, ff)
+                if let Some(w) = lw.gate_up.w.bf16(g) {
+                    let (func, blocks) = if c.gated() {
+                        (&self.f.gemv_glu, ff)
+                    } else {
+                        (&self.f.gemv_act, ff.div_ceil(2))
+                    };
+                    g.launch(
+                        func,
+                        (blocks as u32, 1, 1),
+                        128,
+                        &[
+                            Arg::Ptr(w),
+                            Arg::I32(ff as i32),
+                            Arg::I32(h as i32),
+                            Arg::Ptr(xn),
+                            Arg::Ptr(0),
+                            Arg::I32(act_code(c.activation)),
+                            Arg::Ptr(act),
+                            Arg::Ptr(0),
+                            Arg::F32(0.0),
+                            Arg::F32(0.0),
+                            Arg::Ptr(0),
+                        ],
+                    )?;
                 } else {
-                    (&self.f.gemv_act, ff.div_ceil(2))
-                };
-                g.launch(
-                    func,
-                    (blocks as u32, 1, 1),
-                    128,
-                    &[
-                        Arg::Ptr(g.ptr(&lw.gate_up.w)),
-                        Arg::I32(ff as i32),
-                        Arg::I32(h as i32),
-                        Arg::Ptr(xn),
-                        Arg::Ptr(0),
-                        Arg::I32(act_code(c.activation)),
-                        Arg::Ptr(act),
-                        Arg::Ptr(0),
-                        Arg::F32(0.0),
-                        Arg::F32(0.0),
-                        Arg::Ptr(0),
-                    ],
-                )?;
-                self.matmul(1, act, g.ptr(&lw.down.w), h, ff, y)?;
+                    let gu = g.ptr(&b.gu);
+                    self.linear(1, xn, lw.gate_up.w.view(g), c.gate_up_rows(), h, gu)?;
+                }
+                self.linear(1, act, lw.down.w.view(g), h, ff, y)?;
             }
-            let head = self.w.lm_head.as_ref().unwrap_or(&self.w.embed);
-            self.matmul(1, xn, g.ptr(head), c.vocab, h, g.ptr(&b.logits))
+            self.linear(1, xn, self.head(), c.vocab, h, g.ptr(&b.logits))
         })();
         let graph = g.stream.end_capture(dsys::CUgraphInstantiate_flags(0));
         r?;
@@ -1247,6 +1413,46 @@ impl DenseModel {
         Ok(h[..n.min(h.len())].iter().map(|&v| v as u32).collect())
     }
 
+    /// The output head: its own matrix, or the embedding when tied.
+    fn head(&self) -> MatRef<'_> {
+        match &self.w.lm_head {
+            Some(m) => m.view(&self.gpu),
+            None => MatRef::Bf16(self.gpu.ptr(&self.w.embed)),
+        }
+    }
+
+    /// `y[m, n] (f32) = x[m, k] (bf16) . W[n, k]^T` for a matrix of either kind (an EXL3 stack's
+    /// parts write their outputs side by side).
+    fn linear(&self, m: usize, x: u64, w: MatRef, n: usize, k: usize, y: u64) -> Result<()> {
+        match w {
+            MatRef::Bf16(w) => self.matmul(m, x, w, n, k, y),
+            MatRef::Exl3(parts) => {
+                let s = self
+                    .exl3
+                    .as_ref()
+                    .context("EXL3 layers without their scratch")?;
+                let rows = Rows {
+                    ptr: x,
+                    bf16: true,
+                    ld: k,
+                };
+                let mut off = 0;
+                for p in parts {
+                    ensure!(
+                        p.cols == k && off + p.rows <= n,
+                        "an EXL3 part of {}x{} in {n}x{k}",
+                        p.rows,
+                        p.cols
+                    );
+                    p.forward(&self.gpu, s, m, rows, y + (4 * off) as u64, n)?;
+                    off += p.rows;
+                }
+                ensure!(off == n, "EXL3 parts of {off} outputs for {n}");
+                Ok(())
+            }
+        }
+    }
+
     /// `y[m, n] (f32) = x[m, k] (bf16) . W[n, k]^T`: our GEMV for one row, cuBLAS otherwise.
     fn matmul(&self, m: usize, x: u64, w: u64, n: usize, k: usize, y: u64) -> Result<()> {
         if m == 1 {
@@ -1284,12 +1490,16 @@ impl DenseModel {
     /// bias or post-norm on the residual branches.
     fn res_epi(&self) -> bool {
         let c = &self.cfg;
+        let g = &self.gpu;
         c.norm == Norm::Rms
+            && matches!(self.head(), MatRef::Bf16(_))
             && self.w.layers.iter().all(|l| {
                 l.o.b.is_none()
                     && l.down.b.is_none()
                     && l.post_attn_norm.is_none()
                     && l.post_ffn_norm.is_none()
+                    && l.o.w.bf16(g).is_some()
+                    && l.down.w.bf16(g).is_some()
             })
     }
 
@@ -1386,7 +1596,8 @@ impl DenseModel {
             } else {
                 (0, 0)
             };
-            if m == 1 && ops.qkv.qk_norm == QkNorm::None {
+            let qkv_bf16 = lw.qkv.w.bf16(g).filter(|_| m == 1);
+            if let Some(qkv_w) = qkv_bf16.filter(|_| ops.qkv.qk_norm == QkNorm::None) {
                 // One token: the qkv GEMV does the rope kernel's work in its epilogue.
                 let na = self.norm_args(qkv_norm);
                 g.launch(
@@ -1394,7 +1605,7 @@ impl DenseModel {
                     ((qkvd / 2).div_ceil(QKV_PAIRS) as u32, 1, 1),
                     128,
                     &[
-                        Arg::Ptr(g.ptr(&lw.qkv.w)),
+                        Arg::Ptr(qkv_w),
                         Arg::I32(h as i32),
                         Arg::Ptr(xn),
                         Arg::Ptr(po(&lw.qkv.b)),
@@ -1507,11 +1718,13 @@ impl DenseModel {
             }
             let (pw, pb) = pn(&lw.post_attn_norm);
             let (nw, nbias) = pn(&lw.ffn_norm);
-            let o = (g.ptr(&b.attn), g.ptr(&lw.o.w), qd);
+            let attn_out = g.ptr(&b.attn);
             let rscale = ops.out.scale.unwrap_or(1.0);
             if epi {
+                let o = (attn_out, lw.o.w.bf16(g).context("a bf16 o")?, qd);
                 pending_ss = self.gemv_res(o, rscale, nw, ss_slot(2 * l))?;
             } else {
+                let o = (attn_out, lw.o.w.view(g), qd);
                 self.proj_residual(m, o, po(&lw.o.b), (pw, pb), rscale, (nw, nbias))?;
             }
             let glu_norm = if epi {
@@ -1522,7 +1735,7 @@ impl DenseModel {
 
             let ff = c.intermediate;
             let act = g.ptr(&b.act);
-            if m == 1 {
+            if let Some(gu_w) = lw.gate_up.w.bf16(g).filter(|_| m == 1) {
                 let (func, blocks, n) = if ops.glu.gated {
                     (&f.gemv_glu, ff, ff)
                 } else {
@@ -1534,7 +1747,7 @@ impl DenseModel {
                     (blocks as u32, 1, 1),
                     128,
                     &[
-                        Arg::Ptr(g.ptr(&lw.gate_up.w)),
+                        Arg::Ptr(gu_w),
                         Arg::I32(n as i32),
                         Arg::I32(h as i32),
                         Arg::Ptr(xn),
@@ -1549,7 +1762,7 @@ impl DenseModel {
                 )?;
             } else {
                 let gu = p(&b.gu);
-                gemm_bf16_f32(g, m, c.gate_up_rows(), h, xn, g.ptr(&lw.gate_up.w), gu)?;
+                self.linear(m, xn, lw.gate_up.w.view(g), c.gate_up_rows(), h, gu)?;
                 g.launch(
                     &f.act_rows,
                     (ff.div_ceil(4 * 256) as u32, m as u32, 1),
@@ -1569,16 +1782,17 @@ impl DenseModel {
                 Some(nl) => pn(&nl.attn_norm),
                 None => (g.ptr(&self.w.final_norm.w), po(&self.w.final_norm.b)),
             };
-            let down = (act, g.ptr(&lw.down.w), ff);
             let rscale = ops.down.scale.unwrap_or(1.0);
             if epi {
+                let down = (act, lw.down.w.bf16(g).context("a bf16 down")?, ff);
                 pending_ss = self.gemv_res(down, rscale, next.0, ss_slot(2 * l + 1))?;
             } else {
+                let down = (act, lw.down.w.view(g), ff);
                 self.proj_residual(m, down, po(&lw.down.b), (pw, pb), rscale, next)?;
             }
         }
 
-        let head = self.w.lm_head.as_ref().unwrap_or(&self.w.embed);
+        let head = self.head();
         let logits = p(&b.logits);
         match pg {
             // The wanted rows of a batch pass, gathered, through one GEMM.
@@ -1598,7 +1812,7 @@ impl DenseModel {
                         Arg::Ptr(sel),
                     ],
                 )?;
-                self.matmul(pp.rows, sel, g.ptr(head), c.vocab, h, logits)?;
+                self.linear(pp.rows, sel, head, c.vocab, h, logits)?;
                 // Soft-capping and the divisor, in place (the argmax is not used).
                 return g.launch(
                     &f.argmax_partial,
@@ -1617,7 +1831,10 @@ impl DenseModel {
             // Logits of the last row.
             _ => {
                 let last = xn + 2 * ((m - 1) * h) as u64;
-                self.gemv(last, g.ptr(head), c.vocab, h, logits, (pending_ss, 0))?;
+                match head {
+                    MatRef::Bf16(w) => self.gemv(last, w, c.vocab, h, logits, (pending_ss, 0))?,
+                    MatRef::Exl3(_) => self.linear(1, last, head, c.vocab, h, logits)?,
+                }
             }
         }
         g.launch(
@@ -1675,10 +1892,9 @@ impl DenseModel {
         let nb = (h.next_power_of_two().clamp(32, 1024)) as u32;
         let po = |s: &Option<CudaSlice<f32>>| s.as_ref().map_or(0, |s| g.ptr(s));
         let qkv = g.ptr(&b.qkv);
-        if m == 1 {
-            self.gemv(g.ptr(&b.xn), g.ptr(&lw.qkv.w), qkvd, h, qkv, norm)?;
-        } else {
-            self.matmul(m, g.ptr(&b.xn), g.ptr(&lw.qkv.w), qkvd, h, qkv)?;
+        match lw.qkv.w.bf16(g) {
+            Some(w) if m == 1 => self.gemv(g.ptr(&b.xn), w, qkvd, h, qkv, norm)?,
+            _ => self.linear(m, g.ptr(&b.xn), lw.qkv.w.view(g), qkvd, h, qkv)?,
         }
         let qk_norm = ops.qkv.qk_norm;
         if qk_norm == QkNorm::Whole {
@@ -1832,7 +2048,7 @@ impl DenseModel {
     fn proj_residual(
         &self,
         m: usize,
-        (inp, w, k): (u64, u64, usize),
+        (inp, w, k): (u64, MatRef, usize),
         bias: u64,
         post: (u64, u64),
         rscale: f32,
@@ -1840,7 +2056,7 @@ impl DenseModel {
     ) -> Result<()> {
         let (g, h) = (&*self.gpu, self.cfg.hidden);
         let y = g.ptr(&self.b.y);
-        self.matmul(m, inp, w, h, k, y)?;
+        self.linear(m, inp, w, h, k, y)?;
         self.residual(m, y, bias, post, rscale, next)
     }
 

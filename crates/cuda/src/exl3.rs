@@ -1,12 +1,19 @@
-//! EXL3 linear layers on the GPU, exact path, one activation row (`kernels/exl3.cu`).
+//! EXL3 linear layers on the GPU (`kernels/exl3.cu`).
 //!
 //! A layer is uploaded compressed ([`Exl3Linear`]: the trellis words as stored, `suh`/`svh` and the
-//! bias as f32), so device memory is about the file's size. [`Exl3Linear::gemv`] runs
-//! `y = H(H(x * suh) W_inner) * svh + bias` as three launches: the input Hadamard, the trellis
-//! decoded in registers with f32 partial sums over a split of the tile rows, and the output
-//! Hadamard with the scales. The CPU twin is `trellm_quant::exl3::matmul::matmul_tiles`.
+//! bias as f32), so device memory is about the file's size. [`Exl3Linear::forward`] runs
+//! `y = H(H(x * suh) W_inner) * svh + bias` for `m` rows in one of two regimes:
+//! - up to [`GEMM_MIN_ROWS`]` - 1` rows, the exact path: the input Hadamard (f32), the trellis
+//!   decoded in registers once for up to 8 rows with f32 partial sums over a split of the tile
+//!   rows, and the output Hadamard with the scales. The CPU twin is
+//!   `trellm_quant::exl3::matmul::matmul_tiles`;
+//! - more rows (prefill, large batches): the input Hadamard rounded to fp16, `W_inner` decoded to
+//!   fp16 (exactly: every codebook value is an fp16) in bands of columns, a tensor-core GEMM with
+//!   f32 accumulation (cuBLAS), then the output Hadamard. Its one rounding beyond the exact path is
+//!   the activations' to fp16, as exllamav3 computes throughout.
 
-use anyhow::{ensure, Result};
+use anyhow::{anyhow, bail, ensure, Result};
+use cudarc::cublas::sys as bsys;
 use cudarc::driver::{CudaFunction, CudaSlice};
 
 use trellm_model::weights::Exl3Matrix;
@@ -68,10 +75,49 @@ pub fn variant_defines(v: &str) -> Vec<String> {
     v.split(',').map(str::to_string).collect()
 }
 
-/// The four kernels of one codebook x bitrate module.
+/// Most rows one trellis GEMV launch takes (its widest instantiation, `exl3_gemv8`).
+pub const GEMV_ROWS: usize = 8;
+
+/// Most rows the tensor-core GEMV takes (its widest instantiation, `exl3_mma64`).
+pub const MMA_ROWS: usize = 64;
+
+/// Rows from which a layer runs as decode-to-fp16 + cuBLAS GEMM.
+pub const GEMM_MIN_ROWS: usize = MMA_ROWS + 1;
+
+/// How a layer runs its rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Regime {
+    /// The exact trellis GEMV (f32 activations), up to [`GEMV_ROWS`] rows a launch: the twin the
+    /// others are tested against.
+    Gemv,
+    /// The tensor-core GEMV: each tile decoded once to fp16 in registers as the mma B operand,
+    /// fp16 activations, f32 accumulation; up to [`MMA_ROWS`] rows.
+    Mma,
+    /// Decode to fp16 in bands, then a cuBLAS tensor-core GEMM.
+    Gemm,
+}
+
+impl Regime {
+    /// The regime for `m` rows (the crossovers measured by `gpu_exl3::timing`).
+    pub fn for_rows(m: usize) -> Regime {
+        if m >= GEMM_MIN_ROWS {
+            Regime::Gemm
+        } else {
+            Regime::Mma
+        }
+    }
+}
+
+/// fp16 elements of the decoded band the GEMM path multiplies at once (bounds its scratch: 64 MB).
+const BAND_ELEMS: usize = 32 << 20;
+
+/// The kernels of one codebook x bitrate module.
 pub struct Exl3Kernels {
     pub input: CudaFunction,
-    pub gemv: CudaFunction,
+    /// The GEMV for up to 1, 2, 4 and 8 rows.
+    pub gemv: [CudaFunction; 4],
+    /// The tensor-core GEMV for up to 16, 32 and 64 rows.
+    pub mma: [CudaFunction; 3],
     pub output: CudaFunction,
     pub dequant: CudaFunction,
 }
@@ -91,11 +137,18 @@ impl Exl3Kernels {
         let mut d = defines(codebook, rate);
         d.extend_from_slice(extra);
         let src: &KernelSource = &EXL3;
+        let f = |name: &str| gpu.function(src, &d, name);
         Ok(Exl3Kernels {
-            input: gpu.function(src, &d, "exl3_in")?,
-            gemv: gpu.function(src, &d, "exl3_gemv")?,
-            output: gpu.function(src, &d, "exl3_out")?,
-            dequant: gpu.function(src, &d, "exl3_dequant")?,
+            input: f("exl3_in")?,
+            gemv: [
+                f("exl3_gemv")?,
+                f("exl3_gemv2")?,
+                f("exl3_gemv4")?,
+                f("exl3_gemv8")?,
+            ],
+            mma: [f("exl3_mma16")?, f("exl3_mma32")?, f("exl3_mma64")?],
+            output: f("exl3_out")?,
+            dequant: f("exl3_dequant")?,
         })
     }
 }
@@ -120,6 +173,12 @@ pub fn split_for(shape: &Exl3Shape, sm_count: usize, blocks_per_sm: usize) -> (u
     (tiles_k.div_ceil(per), per)
 }
 
+/// Columns of `W_inner` the GEMM path decodes at once for a layer of `k` inputs and `n` outputs
+/// (a multiple of 128 dividing into [`BAND_ELEMS`]).
+fn band_cols(k: usize, n: usize) -> usize {
+    ((BAND_ELEMS / k.max(1)) / 128 * 128).clamp(128, n)
+}
+
 /// An EXL3 linear layer on the device, compressed.
 pub struct Exl3Linear {
     pub shape: Exl3Shape,
@@ -133,21 +192,79 @@ pub struct Exl3Linear {
     k: Exl3Kernels,
 }
 
-/// Scratch buffers the GEMV passes through: the rotated input and the split's partial sums.
+/// Scratch buffers the layers pass through: the rotated input (f32 for the GEMV, fp16 for the
+/// GEMM), the GEMV split's partial sums, the decoded band and the GEMM's output before the output
+/// Hadamard. One scratch serves every layer it was sized for, one call at a time.
 pub struct Exl3Scratch {
     xh: CudaSlice<f32>,
     partial: CudaSlice<f32>,
+    xh16: CudaSlice<u16>,
+    band: CudaSlice<u16>,
+    yg: CudaSlice<f32>,
 }
 
 impl Exl3Scratch {
-    /// For layers of up to `max_k` inputs and `max_partial` partial sums
-    /// ([`Exl3Linear::partial_len`]).
-    pub fn new(gpu: &Gpu, max_k: usize, max_partial: usize) -> Result<Exl3Scratch> {
+    /// For `layers`, each run on up to its number of rows at once.
+    pub fn new(gpu: &Gpu, layers: &[(&Exl3Linear, usize)]) -> Result<Exl3Scratch> {
+        let (mut xh, mut partial, mut xh16, mut band, mut yg) = (1, 1, 1, 1, 1);
+        for &(l, rows) in layers {
+            let (k, n) = (l.shape.k, l.shape.n);
+            let gemv_rows = rows.clamp(1, GEMV_ROWS);
+            xh = xh.max(gemv_rows * k);
+            partial = partial.max(l.split(gpu.sm_count, BLOCKS_PER_SM).0 * gemv_rows * n);
+            for mt in [1, 2, 4] {
+                if rows > 16 * (mt / 2) {
+                    let mma_rows = rows.min(16 * mt);
+                    xh16 = xh16.max(mma_rows * k);
+                    let splits = l.split(gpu.sm_count, mma_blocks_per_sm(mt)).0;
+                    partial = partial.max(splits * mma_rows * n);
+                }
+            }
+            if rows >= GEMM_MIN_ROWS {
+                xh16 = xh16.max(rows * k);
+                band = band.max(k * band_cols(k, n));
+                yg = yg.max(rows * n);
+            }
+        }
         Ok(Exl3Scratch {
-            xh: gpu.alloc(max_k)?,
-            partial: gpu.alloc(max_partial)?,
+            xh: gpu.alloc(xh)?,
+            partial: gpu.alloc(partial)?,
+            xh16: gpu.alloc(xh16)?,
+            band: gpu.alloc(band)?,
+            yg: gpu.alloc(yg)?,
         })
     }
+
+    /// For one layer run one row at a time with `blocks_per_sm` of its GEMV (the timing sweep).
+    pub fn for_gemv(gpu: &Gpu, l: &Exl3Linear, blocks_per_sm: usize) -> Result<Exl3Scratch> {
+        let mut s = Self::new(gpu, &[(l, 1)])?;
+        s.partial = gpu.alloc(l.partial_len(gpu.sm_count, blocks_per_sm).max(1))?;
+        Ok(s)
+    }
+}
+
+/// Where a layer reads its input: a device pointer to `m` rows of f32 or bf16 values, `ld` apart.
+#[derive(Clone, Copy, Debug)]
+pub struct Rows {
+    pub ptr: u64,
+    pub bf16: bool,
+    pub ld: usize,
+}
+
+impl Rows {
+    /// The rows from row `r` on.
+    fn offset(self, r: usize) -> Rows {
+        Rows {
+            ptr: self.ptr + (r * self.ld * if self.bf16 { 2 } else { 4 }) as u64,
+            ..self
+        }
+    }
+}
+
+/// Blocks per SM the tensor-core GEMV aims for with `mt` 16-row tiles (more rows: fewer splits,
+/// so the partial sums' traffic stays below the weights').
+fn mma_blocks_per_sm(mt: usize) -> usize {
+    (BLOCKS_PER_SM / mt).max(1)
 }
 
 impl Exl3Linear {
@@ -177,21 +294,7 @@ impl Exl3Linear {
         svh: &[f32],
         bias: Option<&[f32]>,
     ) -> Result<Exl3Linear> {
-        ensure!(
-            shape.k > 0
-                && shape.n > 0
-                && shape.k.is_multiple_of(128)
-                && shape.n.is_multiple_of(128),
-            "EXL3 dimensions must be multiples of 128, got {}x{}",
-            shape.k,
-            shape.n
-        );
-        ensure!(
-            (1..=shape.n).contains(&rows) && (1..=shape.k).contains(&cols),
-            "EXL3 layer uses {rows}x{cols} of {}x{}",
-            shape.n,
-            shape.k
-        );
+        check_dims(&shape, rows, cols)?;
         shape.check_trellis(trellis)?;
         ensure!(
             suh.len() == shape.k,
@@ -224,6 +327,55 @@ impl Exl3Linear {
         })
     }
 
+    /// A layer of random trellis words generated on the device (every bit pattern is a valid
+    /// code), `suh` = 1 and `svh` = 1/sqrt(k) so outputs keep the inputs' scale: the speed of a
+    /// real layer of this shape without a file.
+    pub fn synthetic(gpu: &Gpu, shape: Exl3Shape, seed: u64) -> Result<Exl3Linear> {
+        check_dims(&shape, shape.n, shape.k)?;
+        let fill_u = gpu.function(&crate::kernels::ELEMENTWISE, &[], "fill_random_u32")?;
+        let fill_f = gpu.function(&crate::kernels::ELEMENTWISE, &[], "fill_f32")?;
+        let bytes = shape.trellis_bytes();
+        let trellis = gpu.alloc::<u8>(bytes)?;
+        let grid = (gpu.sm_count as u32 * 8, 1, 1);
+        gpu.launch(
+            &fill_u,
+            grid,
+            256,
+            &[
+                Arg::Ptr(gpu.ptr(&trellis)),
+                Arg::U64((bytes / 4) as u64),
+                Arg::U64(seed.wrapping_mul(0x2545_f491_4f6c_dd1d)),
+            ],
+        )?;
+        let vec = |n: usize, v: f32| -> Result<CudaSlice<f32>> {
+            let s = gpu.alloc::<f32>(n)?;
+            gpu.launch(
+                &fill_f,
+                grid,
+                256,
+                &[Arg::Ptr(gpu.ptr(&s)), Arg::U64(n as u64), Arg::F32(v)],
+            )?;
+            Ok(s)
+        };
+        Ok(Exl3Linear {
+            shape,
+            rows: shape.n,
+            cols: shape.k,
+            trellis,
+            suh: vec(shape.k, 1.0)?,
+            svh: vec(shape.n, 1.0 / (shape.k as f32).sqrt())?,
+            bias: None,
+            k: Exl3Kernels::load(gpu, shape.codebook, shape.rate)?,
+        })
+    }
+
+    /// The layer using only its first `rows` outputs and `cols` inputs (a padded layer).
+    pub fn used(mut self, rows: usize, cols: usize) -> Exl3Linear {
+        self.rows = rows.clamp(1, self.shape.n);
+        self.cols = cols.clamp(1, self.shape.k);
+        self
+    }
+
     /// Runs with other kernels of the same codebook and bitrate (the timing sweep's variants).
     pub fn set_kernels(&mut self, k: Exl3Kernels) {
         self.k = k;
@@ -241,15 +393,14 @@ impl Exl3Linear {
         split_for(&self.shape, sm_count, blocks_per_sm)
     }
 
-    /// Partial sums the GEMV writes at `blocks_per_sm`.
+    /// Partial sums the one-row GEMV writes at `blocks_per_sm`.
     pub fn partial_len(&self, sm_count: usize, blocks_per_sm: usize) -> usize {
         self.split(sm_count, blocks_per_sm).0 * self.shape.n
     }
 
-    /// `y[..rows] = layer(x[..cols])` for one row; `x` and `y` are device f32 buffers. The
-    /// scratch must hold this layer ([`Exl3Scratch::new`]).
+    /// `y[..rows] = layer(x[..cols])` for one row of f32; `x` and `y` are device f32 buffers.
     pub fn gemv(&self, gpu: &Gpu, s: &Exl3Scratch, x: u64, y: u64) -> Result<()> {
-        self.gemv_with(gpu, s, x, y, BLOCKS_PER_SM)
+        self.gemv_rows(gpu, s, 1, self.f32_rows(x), y, self.rows, BLOCKS_PER_SM)
     }
 
     /// [`Self::gemv`] with another target of blocks per SM (the timing sweep).
@@ -261,46 +412,251 @@ impl Exl3Linear {
         y: u64,
         blocks_per_sm: usize,
     ) -> Result<()> {
+        self.gemv_rows(gpu, s, 1, self.f32_rows(x), y, self.rows, blocks_per_sm)
+    }
+
+    fn f32_rows(&self, x: u64) -> Rows {
+        Rows {
+            ptr: x,
+            bf16: false,
+            ld: self.cols,
+        }
+    }
+
+    /// `y[r][..rows] = layer(x[r][..cols])` for the `m` rows of `x`, `y` f32 with row stride
+    /// `ldy`, in the regime for `m` rows ([`Regime::for_rows`]).
+    pub fn forward(
+        &self,
+        gpu: &Gpu,
+        s: &Exl3Scratch,
+        m: usize,
+        x: Rows,
+        y: u64,
+        ldy: usize,
+    ) -> Result<()> {
+        self.forward_in(gpu, s, Regime::for_rows(m), m, x, y, ldy)
+    }
+
+    /// [`Self::forward`] in a given regime (the tests and the crossover's timing).
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_in(
+        &self,
+        gpu: &Gpu,
+        s: &Exl3Scratch,
+        regime: Regime,
+        m: usize,
+        x: Rows,
+        y: u64,
+        ldy: usize,
+    ) -> Result<()> {
+        ensure!(
+            m >= 1 && ldy >= self.rows,
+            "EXL3 layer of {m} rows, ldy {ldy}"
+        );
+        match regime {
+            Regime::Gemm => return self.gemm_rows(gpu, s, m, x, y, ldy),
+            Regime::Mma => {
+                let mut r = 0;
+                while r < m {
+                    let g = (m - r).min(MMA_ROWS);
+                    self.mma_rows(gpu, s, g, x.offset(r), y + (4 * r * ldy) as u64, ldy)?;
+                    r += g;
+                }
+                return Ok(());
+            }
+            Regime::Gemv => {}
+        }
+        let mut r = 0;
+        while r < m {
+            let g = (m - r).min(GEMV_ROWS);
+            self.gemv_rows(
+                gpu,
+                s,
+                g,
+                x.offset(r),
+                y + (4 * r * ldy) as u64,
+                ldy,
+                BLOCKS_PER_SM,
+            )?;
+            r += g;
+        }
+        Ok(())
+    }
+
+    /// The exact path for `m <= GEMV_ROWS` rows.
+    #[allow(clippy::too_many_arguments)]
+    fn gemv_rows(
+        &self,
+        gpu: &Gpu,
+        s: &Exl3Scratch,
+        m: usize,
+        x: Rows,
+        y: u64,
+        ldy: usize,
+        blocks_per_sm: usize,
+    ) -> Result<()> {
         let (k, n) = (self.shape.k, self.shape.n);
         let (splits, per) = self.split(gpu.sm_count, blocks_per_sm);
         ensure!(
-            s.xh.len() >= k && s.partial.len() >= splits * n,
-            "EXL3 scratch too small"
+            (1..=GEMV_ROWS).contains(&m)
+                && s.xh.len() >= m * k
+                && s.partial.len() >= splits * m * n,
+            "EXL3 scratch too small for {m} rows of {k}x{n}"
         );
         let (xh, partial) = (gpu.ptr(&s.xh), gpu.ptr(&s.partial));
+        self.launch_input(gpu, m, x, xh, false)?;
+        self.launch_inner_rows(gpu, m, xh, partial, splits, per)?;
+        self.launch_output(gpu, m, partial, splits, y, ldy)
+    }
+
+    /// The tensor-core GEMV for `m <= MMA_ROWS` rows.
+    fn mma_rows(
+        &self,
+        gpu: &Gpu,
+        s: &Exl3Scratch,
+        m: usize,
+        x: Rows,
+        y: u64,
+        ldy: usize,
+    ) -> Result<()> {
+        let (k, n) = (self.shape.k, self.shape.n);
+        let mt = m.div_ceil(16).next_power_of_two();
+        let (f, mt) = match mt {
+            1 => (&self.k.mma[0], 1),
+            2 => (&self.k.mma[1], 2),
+            4 => (&self.k.mma[2], 4),
+            _ => bail!("the tensor-core GEMV takes 1..={MMA_ROWS} rows, not {m}"),
+        };
+        let (splits, per) = self.split(gpu.sm_count, mma_blocks_per_sm(mt));
+        ensure!(
+            s.xh16.len() >= m * k && s.partial.len() >= splits * m * n,
+            "EXL3 scratch too small for {m} rows of {k}x{n}"
+        );
+        let (xh, partial) = (gpu.ptr(&s.xh16), gpu.ptr(&s.partial));
+        self.launch_input(gpu, m, x, xh, true)?;
+        gpu.launch(
+            f,
+            ((n / 128) as u32, splits as u32, 1),
+            256,
+            &[
+                Arg::Ptr(gpu.ptr(&self.trellis)),
+                Arg::Ptr(xh),
+                Arg::Ptr(partial),
+                Arg::I32(self.shape.tiles_k() as i32),
+                Arg::I32(self.shape.tiles_n() as i32),
+                Arg::I32(per as i32),
+                Arg::I32(m as i32),
+            ],
+        )?;
+        self.launch_output(gpu, m, partial, splits, y, ldy)
+    }
+
+    /// The GEMM path: fp16 input Hadamard, `W_inner` decoded band by band into fp16 and multiplied
+    /// on tensor cores (f32 accumulation) into `yg`, then the output Hadamard.
+    fn gemm_rows(
+        &self,
+        gpu: &Gpu,
+        s: &Exl3Scratch,
+        m: usize,
+        x: Rows,
+        y: u64,
+        ldy: usize,
+    ) -> Result<()> {
+        let (k, n) = (self.shape.k, self.shape.n);
+        let bc = band_cols(k, n);
+        ensure!(
+            s.xh16.len() >= m * k && s.band.len() >= k * bc && s.yg.len() >= m * n,
+            "EXL3 scratch too small for {m} rows of {k}x{n}"
+        );
+        let (xh, band, yg) = (gpu.ptr(&s.xh16), gpu.ptr(&s.band), gpu.ptr(&s.yg));
+        self.launch_input(gpu, m, x, xh, true)?;
+        let mut c0 = 0;
+        while c0 < n {
+            let cols = bc.min(n - c0);
+            gpu.launch(
+                &self.k.dequant,
+                ((cols / 128) as u32, (k / 16) as u32, 1),
+                256,
+                &[
+                    Arg::Ptr(gpu.ptr(&self.trellis)),
+                    Arg::Ptr(band),
+                    Arg::I32(1),
+                    Arg::I32(self.shape.tiles_n() as i32),
+                    Arg::I32((c0 / 128) as i32),
+                    Arg::I32(cols as i32),
+                ],
+            )?;
+            gemm_f16(gpu, (m, cols, k), xh, band, yg + (4 * c0) as u64, n)?;
+            c0 += cols;
+        }
+        self.launch_output(gpu, m, yg, 1, y, ldy)
+    }
+
+    fn launch_input(&self, gpu: &Gpu, m: usize, x: Rows, xh: u64, f16: bool) -> Result<()> {
+        let k = self.shape.k;
         gpu.launch(
             &self.k.input,
-            ((k / 128).div_ceil(4) as u32, 1, 1),
+            ((k / 128).div_ceil(4) as u32, m as u32, 1),
             128,
             &[
-                Arg::Ptr(x),
+                Arg::Ptr(x.ptr),
+                Arg::I32(x.bf16 as i32),
+                Arg::I32(x.ld as i32),
                 Arg::I32(self.cols as i32),
                 Arg::Ptr(gpu.ptr(&self.suh)),
                 Arg::Ptr(xh),
+                Arg::I32(f16 as i32),
                 Arg::I32(k as i32),
             ],
-        )?;
-        self.launch_inner(gpu, xh, partial, splits, per)?;
+        )
+    }
+
+    fn launch_output(
+        &self,
+        gpu: &Gpu,
+        m: usize,
+        partial: u64,
+        splits: usize,
+        y: u64,
+        ldy: usize,
+    ) -> Result<()> {
+        let n = self.shape.n;
         gpu.launch(
             &self.k.output,
-            ((n / 128).div_ceil(4) as u32, 1, 1),
+            ((n / 128).div_ceil(4) as u32, m as u32, 1),
             128,
             &[
                 Arg::Ptr(partial),
                 Arg::I32(splits as i32),
                 Arg::I32(n as i32),
+                Arg::I32(m as i32),
                 Arg::Ptr(gpu.ptr(&self.svh)),
                 Arg::Ptr(self.bias.as_ref().map_or(0, |b| gpu.ptr(b))),
                 Arg::Ptr(y),
+                Arg::I32(ldy as i32),
                 Arg::I32(self.rows as i32),
             ],
         )
     }
 
-    /// The trellis kernel alone: `partial[split][n]` from an already rotated `xh` (the timing).
+    /// The trellis kernel alone for one row: `partial[split][n]` from an already rotated `xh`
+    /// (the timing).
     pub fn launch_inner(
         &self,
         gpu: &Gpu,
+        xh: u64,
+        partial: u64,
+        splits: usize,
+        per: usize,
+    ) -> Result<()> {
+        self.launch_inner_rows(gpu, 1, xh, partial, splits, per)
+    }
+
+    /// The trellis kernel alone for `m <= GEMV_ROWS` rows: `partial[split][row][n]`.
+    pub fn launch_inner_rows(
+        &self,
+        gpu: &Gpu,
+        m: usize,
         xh: u64,
         partial: u64,
         splits: usize,
@@ -311,8 +667,15 @@ impl Exl3Linear {
             "a split of {splits} x {per} tile rows does not cover {}",
             self.shape.tiles_k()
         );
+        let f = match m {
+            1 => &self.k.gemv[0],
+            2 => &self.k.gemv[1],
+            3 | 4 => &self.k.gemv[2],
+            5..=GEMV_ROWS => &self.k.gemv[3],
+            _ => bail!("the trellis GEMV takes 1..={GEMV_ROWS} rows, not {m}"),
+        };
         gpu.launch(
-            &self.k.gemv,
+            f,
             ((self.shape.n / 128) as u32, splits as u32, 1),
             256,
             &[
@@ -322,27 +685,93 @@ impl Exl3Linear {
                 Arg::I32(self.shape.tiles_k() as i32),
                 Arg::I32(self.shape.tiles_n() as i32),
                 Arg::I32(per as i32),
+                Arg::I32(m as i32),
             ],
         )
     }
 
-    /// `W_inner` decoded on the device, f32 row-major `[k][n]` (the decode's exactness check).
-    pub fn dequant(&self, gpu: &Gpu) -> Result<Vec<f32>> {
+    /// `W_inner` decoded on the device, row-major `[k][n]` (the decode's exactness check): by the
+    /// f32 decoder of the exact GEMV, and by the fp16 one of the tensor-core kernels.
+    pub fn dequant(&self, gpu: &Gpu) -> Result<(Vec<f32>, Vec<u16>)> {
         let (k, n) = (self.shape.k, self.shape.n);
         let w = gpu.alloc::<f32>(k * n)?;
-        gpu.launch(
-            &self.k.dequant,
-            ((n / 128) as u32, (k / 16) as u32, 1),
-            256,
-            &[
-                Arg::Ptr(gpu.ptr(&self.trellis)),
-                Arg::Ptr(gpu.ptr(&w)),
-                Arg::I32(self.shape.tiles_n() as i32),
-            ],
-        )?;
+        let h = gpu.alloc::<u16>(k * n)?;
+        for (ptr, f16) in [(gpu.ptr(&w), 0), (gpu.ptr(&h), 1)] {
+            gpu.launch(
+                &self.k.dequant,
+                ((n / 128) as u32, (k / 16) as u32, 1),
+                256,
+                &[
+                    Arg::Ptr(gpu.ptr(&self.trellis)),
+                    Arg::Ptr(ptr),
+                    Arg::I32(f16),
+                    Arg::I32(self.shape.tiles_n() as i32),
+                    Arg::I32(0),
+                    Arg::I32(n as i32),
+                ],
+            )?;
+        }
         gpu.sync()?;
-        Ok(gpu.stream.clone_dtoh(&w)?)
+        Ok((gpu.stream.clone_dtoh(&w)?, gpu.stream.clone_dtoh(&h)?))
     }
+}
+
+fn check_dims(shape: &Exl3Shape, rows: usize, cols: usize) -> Result<()> {
+    ensure!(
+        shape.k > 0 && shape.n > 0 && shape.k.is_multiple_of(128) && shape.n.is_multiple_of(128),
+        "EXL3 dimensions must be multiples of 128, got {}x{}",
+        shape.k,
+        shape.n
+    );
+    ensure!(
+        (1..=shape.n).contains(&rows) && (1..=shape.k).contains(&cols),
+        "EXL3 layer uses {rows}x{cols} of {}x{}",
+        shape.n,
+        shape.k
+    );
+    Ok(())
+}
+
+/// `y[m][ldy] (f32, row-major, the first n columns) = xh[m][k] (fp16) . w[k][n] (fp16)`, f32
+/// accumulation on tensor cores (cuBLAS).
+fn gemm_f16(
+    gpu: &Gpu,
+    (m, n, k): (usize, usize, usize),
+    xh: u64,
+    w: u64,
+    y: u64,
+    ldy: usize,
+) -> Result<()> {
+    let (alpha, beta) = (1.0f32, 0.0f32);
+    // Row-major Y = XH W is column-major Y^T (n x m) = W^T (n x k, w's rows as columns) . XH^T.
+    // SAFETY: the pointers are live device buffers of the stated sizes; the handle runs on the
+    // model's stream.
+    gpu.timed("cublas_gemm_f16", || {
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *gpu.blas.handle(),
+                bsys::cublasOperation_t::CUBLAS_OP_N,
+                bsys::cublasOperation_t::CUBLAS_OP_N,
+                n as i32,
+                m as i32,
+                k as i32,
+                &alpha as *const f32 as *const _,
+                w as *const _,
+                bsys::cudaDataType::CUDA_R_16F,
+                n as i32,
+                xh as *const _,
+                bsys::cudaDataType::CUDA_R_16F,
+                k as i32,
+                &beta as *const f32 as *const _,
+                y as *mut _,
+                bsys::cudaDataType::CUDA_R_32F,
+                ldy as i32,
+                bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| anyhow!("cublasGemmEx f16 ({m}x{n}x{k}): {e:?}"))
+    })
 }
 
 #[cfg(test)]

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use trellm_cuda::exl3::{Exl3Linear, Exl3Scratch, BLOCKS_PER_SM};
+use trellm_cuda::exl3::{Exl3Kernels, Exl3Linear, Exl3Scratch, Regime, Rows, GEMM_MIN_ROWS};
 use trellm_cuda::{bench, Gpu};
 use trellm_model::weights::{Linear, LinearWeight, TensorSource, Weights};
 use trellm_model::ModelConfig;
@@ -124,7 +124,7 @@ impl Host {
 }
 
 fn gpu_gemv(gpu: &Gpu, h: &Host, l: &Exl3Linear) -> Vec<f32> {
-    let s = Exl3Scratch::new(gpu, h.shape.k, l.partial_len(gpu.sm_count, BLOCKS_PER_SM)).unwrap();
+    let s = Exl3Scratch::new(gpu, &[(l, 1)]).unwrap();
     let x = gpu.upload(&h.x).unwrap();
     let y = gpu.alloc::<f32>(h.rows).unwrap();
     l.gemv(gpu, &s, gpu.ptr(&x), gpu.ptr(&y)).unwrap();
@@ -136,6 +136,17 @@ fn gpu_gemv(gpu: &Gpu, h: &Host, l: &Exl3Linear) -> Vec<f32> {
 /// One wrong weight moves an output by about 1/sqrt(k) of its size, far above both bounds.
 /// Returns the failure, so a test reports every failing case at once.
 fn check_close(got: &[f32], want: &[f32], what: &str) -> Result<(), String> {
+    check_within(got, want, 2e-5, 2e-4, what)
+}
+
+/// Relative L2 error below `rel_max` and every error below `max_rms` times the RMS.
+fn check_within(
+    got: &[f32],
+    want: &[f32],
+    rel_max: f64,
+    max_rms: f64,
+    what: &str,
+) -> Result<(), String> {
     if got.len() != want.len() {
         return Err(format!(
             "{what}: {} outputs, expected {}",
@@ -160,7 +171,7 @@ fn check_close(got: &[f32], want: &[f32], what: &str) -> Result<(), String> {
         .map(|(a, b)| (a - b).abs() as f64)
         .fold(0.0, f64::max);
     eprintln!("{what}: relative L2 error {rel:.3e}, max error {max:.3e} (rms {rms:.3e})");
-    if rel < 2e-5 && max < 2e-4 * rms {
+    if rel < rel_max && max < max_rms * rms {
         Ok(())
     } else {
         Err(format!(
@@ -190,7 +201,8 @@ fn label(h: &Host) -> String {
     )
 }
 
-/// The decoded weights are the codec's, bit for bit, for every codebook and bitrate.
+/// The decoded weights are the codec's, bit for bit, for every codebook and bitrate, from both
+/// decoders (f32 for the exact GEMV, packed fp16 for the tensor-core kernels).
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on the GPU machine"]
 fn decode_is_bit_identical_to_the_codec() {
@@ -199,8 +211,18 @@ fn decode_is_bit_identical_to_the_codec() {
     for (i, cb) in CODEBOOKS.into_iter().enumerate() {
         for (j, rate) in all_rates().into_iter().enumerate() {
             let h = host(256, 384, 256, 384, cb, rate, (100 * i + j) as u64);
-            let got = h.upload(&gpu).dequant(&gpu).unwrap();
+            let (got, got16) = h.upload(&gpu).dequant(&gpu).unwrap();
             let want = exl3::reconstruct_inner(&h.shape, &h.trellis).unwrap();
+            let bad16 = (0..want.len())
+                .filter(|&i| got16[i] != want[i].to_bits())
+                .count();
+            if bad16 > 0 {
+                failures.push(format!(
+                    "{}: the fp16 decoder differs at {bad16} of {} weights",
+                    label(&h),
+                    want.len()
+                ));
+            }
             let bad: Vec<usize> = (0..want.len())
                 .filter(|&i| got[i].to_bits() != want[i].to_f32().to_bits())
                 .collect();
@@ -292,7 +314,13 @@ fn real_exl3_layers_match_cpu() {
     let gpu = gpu();
     let root = std::env::var_os("TRELLM_EXL3_TINY")
         .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| "/work/shared/oracle-data/exl3-tiny-llama".into());
+        .unwrap_or_else(|| {
+            concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../../tests/fixtures/exl3/tiny-llama"
+            )
+            .into()
+        });
     let mut dirs: Vec<_> = std::fs::read_dir(&root)
         .unwrap_or_else(|e| panic!("{}: {e}", root.display()))
         .flatten()
@@ -349,6 +377,128 @@ fn real_exl3_layers_match_cpu() {
     assert_none_failed(failures);
 }
 
+/// `m` rows of inputs for `h`, bf16-representable (so the bf16 and f32 inputs are the same values).
+fn inputs(h: &Host, m: usize, seed: u64) -> Vec<f32> {
+    let mut r = ChaCha8Rng::seed_from_u64(seed);
+    (0..m * h.cols)
+        .map(|_| half::bf16::from_f32(r.gen_range(-1.0f32..1.0)).to_f32())
+        .collect()
+}
+
+/// The CPU twin for `m` rows (row-major `[m][cols]` in, `[m][rows]` out, bias added).
+fn cpu_rows(h: &Host, x: &[f32], m: usize) -> Vec<f32> {
+    let mut xp = vec![0.0f32; m * h.shape.k];
+    for r in 0..m {
+        xp[r * h.shape.k..][..h.cols].copy_from_slice(&x[r * h.cols..][..h.cols]);
+    }
+    let mut y = vec![0.0f32; m * h.shape.n];
+    exl3::matmul::matmul_tiles(&h.shape, &h.trellis, &h.suh, &h.svh, &xp, m, &mut y);
+    let mut out = Vec::with_capacity(m * h.rows);
+    for r in 0..m {
+        out.extend(
+            y[r * h.shape.n..][..h.rows]
+                .iter()
+                .zip(&h.bias)
+                .map(|(v, b)| v + b),
+        );
+    }
+    out
+}
+
+/// `m` rows through [`Exl3Linear::forward_in`] with input of `x` (bf16 or f32 on the device) and
+/// an output row stride of `rows + 3`; returns the rows, the stride's gaps dropped.
+fn gpu_rows(
+    gpu: &Gpu,
+    h: &Host,
+    l: &Exl3Linear,
+    x: &[f32],
+    m: usize,
+    bf16: bool,
+    regime: Regime,
+) -> Vec<f32> {
+    let s = Exl3Scratch::new(gpu, &[(l, m.max(GEMM_MIN_ROWS))]).unwrap();
+    let xd = if bf16 {
+        let v: Vec<u16> = x
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_bits())
+            .collect();
+        let d = gpu.upload(&v).unwrap();
+        (gpu.ptr(&d), Some(d), None)
+    } else {
+        let d = gpu.upload(x).unwrap();
+        (gpu.ptr(&d), None, Some(d))
+    };
+    let ldy = h.rows + 3;
+    let y = gpu.alloc::<f32>(m * ldy).unwrap();
+    let rows = Rows {
+        ptr: xd.0,
+        bf16,
+        ld: h.cols,
+    };
+    l.forward_in(gpu, &s, regime, m, rows, gpu.ptr(&y), ldy)
+        .unwrap();
+    gpu.sync().unwrap();
+    let all = gpu.stream.clone_dtoh(&y).unwrap();
+    (0..m)
+        .flat_map(|r| all[r * ldy..][..h.rows].to_vec())
+        .collect()
+}
+
+/// Every row regime against the CPU matmul at row counts across the kernels' instantiations (1,
+/// 2, 4, 8 rows of the GEMV, 16, 32, 64 of the tensor-core GEMV, the remainders) and beyond: the
+/// exact GEMV bit for bit as the one-row GEMV (each row's sum in the same order) and within f32
+/// tolerance of the CPU; the tensor-core GEMV and the GEMM within the tolerance of their fp16
+/// activations (relative L2 1e-3: fp16 keeps 11 bits, so about 3e-4 is expected).
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on the GPU machine"]
+fn row_regimes_match_cpu() {
+    let gpu = gpu();
+    let mut failures: Vec<String> = Vec::new();
+    let cases = [
+        (Codebook::Mul1, Bitrate::int(3), (640, 1024, 576, 1000)),
+        (Codebook::Mcg, Bitrate::half(2), (256, 384, 256, 384)),
+        (Codebook::Inst3, Bitrate::int(4), (4096, 1024, 4096, 1024)),
+        (Codebook::Mul1, Bitrate::int(2), (1024, 4096, 1024, 4096)),
+    ];
+    for (i, &(cb, rate, (k, n, cols, rows))) in cases.iter().enumerate() {
+        let h = host(k, n, cols, rows, cb, rate, 50 + i as u64);
+        let l = h.upload(&gpu);
+        for (j, m) in [1usize, 2, 3, 5, 8, 9, 13, 17, 40, 64, 70]
+            .into_iter()
+            .enumerate()
+        {
+            let x = inputs(&h, m, (10 * i + j) as u64);
+            let want = cpu_rows(&h, &x, m);
+            let what = format!("{} m={m}", label(&h));
+            let bf16 = j % 2 == 0;
+            let gemv = gpu_rows(&gpu, &h, &l, &x, m, bf16, Regime::Gemv);
+            for r in 0..m {
+                let one = gpu_rows(&gpu, &h, &l, &x[r * cols..][..cols], 1, !bf16, Regime::Gemv);
+                if one
+                    .iter()
+                    .zip(&gemv[r * rows..][..rows])
+                    .any(|(a, b)| a.to_bits() != b.to_bits())
+                {
+                    failures.push(format!(
+                        "{what}: GEMV row {r} differs from the same row alone"
+                    ));
+                }
+            }
+            if let Err(e) = check_close(&gemv, &want, &format!("{what} GEMV")) {
+                failures.push(e);
+            }
+            for regime in [Regime::Mma, Regime::Gemm] {
+                let got = gpu_rows(&gpu, &h, &l, &x, m, bf16, regime);
+                if let Err(e) = check_within(&got, &want, 1e-3, 1e-2, &format!("{what} {regime:?}"))
+                {
+                    failures.push(e);
+                }
+            }
+        }
+    }
+    assert_none_failed(failures);
+}
+
 /// Bad parts are errors, not panics.
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on the GPU machine"]
@@ -380,11 +530,11 @@ fn bad_parts_are_errors() {
     assert!(try_parts(odd, 256, 200, &h.trellis, &h.suh, &h.svh));
 }
 
-/// Kernel-only timing at the 8B layer shapes (gate/up, down, q/o, k/v), every codebook at
-/// K = 2, 3, 4: the trellis kernel
-/// alone and the whole layer (both Hadamards included), each over enough copies of the layer that
-/// they do not fit in L2, in GB/s of trellis bytes and as a share of the device copy measured
-/// here. Sweeps the split's blocks per SM; checks nothing but that it runs.
+/// Timing at the 8B layer shapes (gate/up, down, q/o, k/v): every codebook at K = 2, 3, 4, the
+/// trellis kernel alone and the whole layer (both Hadamards included) for one row; then MUL1 at
+/// K = 2, 3, 4 per row count through both regimes (where the GEMV's crossover to the GEMM is
+/// chosen). Each timing runs over enough copies of the layer that they do not fit in L2; GB/s
+/// counts trellis bytes, % is of the device copy measured here. Checks nothing but that it runs.
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on the GPU machine"]
 fn timing() {
@@ -408,56 +558,104 @@ fn timing() {
         gpu.name,
         copy / 1e9
     ));
+    let shapes = [
+        (4096usize, 14336usize),
+        (14336, 4096),
+        (4096, 4096),
+        (4096, 1024),
+    ];
+    let row_counts = [1usize, 2, 4, 8, 12, 16, 24, 32, 64, 128, 512, 2048];
     for cb in CODEBOOKS {
         for kb in 2..=4u32 {
-            for &(k, n) in &[
-                (4096usize, 14336usize),
-                (14336, 4096),
-                (4096, 4096),
-                (4096, 1024),
-            ] {
+            for &(k, n) in &shapes {
                 let h = host(k, n, k, n, cb, Bitrate::int(kb), 7);
                 let bytes = h.shape.trellis_bytes();
                 let copies = (400usize << 20).div_ceil(bytes).max(2);
-                let layers: Vec<Exl3Linear> = (0..copies).map(|_| h.upload(&gpu)).collect();
-                let max_partial = [1, 2, 4, 8, 16, 32]
-                    .iter()
-                    .map(|&b| layers[0].partial_len(gpu.sm_count, b))
-                    .max()
-                    .unwrap();
-                let s = Exl3Scratch::new(&gpu, k, max_partial).unwrap();
-                let x = gpu.upload(&h.x).unwrap();
-                let y = gpu.alloc::<f32>(n).unwrap();
+                let mut layers: Vec<Exl3Linear> = (0..copies).map(|_| h.upload(&gpu)).collect();
+                let sweep = cb == Codebook::Mul1;
+                let most = if sweep {
+                    *row_counts.last().unwrap()
+                } else {
+                    1
+                };
+                let s = Exl3Scratch::new(&gpu, &[(&layers[0], most)]).unwrap();
+                let xs: Vec<f32> = (0..most).flat_map(|_| h.x.iter().copied()).collect();
+                let x = gpu.upload(&xs).unwrap();
+                let y = gpu.alloc::<f32>(most * n).unwrap();
                 let xh = gpu.alloc::<f32>(k).unwrap();
-                let part = gpu.alloc::<f32>(max_partial).unwrap();
-                for bps in [2usize, 4, 8, 16, 32] {
-                    let (splits, per) = layers[0].split(gpu.sm_count, bps);
-                    let inner = bench::time_ms(&gpu, 2, 7, || {
-                        for l in &layers {
-                            l.launch_inner(&gpu, gpu.ptr(&xh), gpu.ptr(&part), splits, per)?;
+                let (splits, per) = layers[0].split(gpu.sm_count, trellm_cuda::exl3::BLOCKS_PER_SM);
+                let part = gpu.alloc::<f32>(splits * n).unwrap();
+                let inner = bench::time_ms(&gpu, 2, 7, || {
+                    for l in &layers {
+                        l.launch_inner(&gpu, gpu.ptr(&xh), gpu.ptr(&part), splits, per)?;
+                    }
+                    Ok(())
+                })
+                .unwrap()
+                    / copies as f64;
+                let gbs = |ms: f64| bytes as f64 / (ms * 1e-3) / 1e9;
+                let rows_in = || Rows {
+                    ptr: gpu.ptr(&x),
+                    bf16: false,
+                    ld: k,
+                };
+                for &m in row_counts.iter().take_while(|&&m| m <= most) {
+                    for regime in [Regime::Gemv, Regime::Mma, Regime::Gemm] {
+                        if (regime != Regime::Gemm && m > 64) || (regime == Regime::Gemm && m < 2) {
+                            continue;
                         }
-                        Ok(())
-                    })
-                    .unwrap()
-                        / copies as f64;
-                    let full = bench::time_ms(&gpu, 2, 7, || {
-                        for l in &layers {
-                            l.gemv_with(&gpu, &s, gpu.ptr(&x), gpu.ptr(&y), bps)?;
+                        let full = bench::time_ms(&gpu, 2, 7, || {
+                            for l in &layers {
+                                l.forward_in(&gpu, &s, regime, m, rows_in(), gpu.ptr(&y), n)?;
+                            }
+                            Ok(())
+                        })
+                        .unwrap()
+                            / copies as f64;
+                        emit(format!(
+                            "{{\"codebook\": \"{cb:?}\", \"K\": {kb}, \"k\": {k}, \"n\": {n}, \"rows\": {m}, \"regime\": \"{regime:?}\", \"splits\": {splits}, \"copies\": {copies}, \"kernel_us\": {:.2}, \"kernel_pct_copy\": {:.1}, \"layer_us\": {:.2}, \"layer_gb_s\": {:.1}, \"layer_pct_copy\": {:.1}, \"us_per_row\": {:.2}}}",
+                            inner * 1e3,
+                            100.0 * gbs(inner) * 1e9 / copy,
+                            full * 1e3,
+                            gbs(full),
+                            100.0 * gbs(full) * 1e9 / copy,
+                            full * 1e3 / m as f64
+                        ));
+                    }
+                }
+                // The tensor-core GEMV's tile rows in flight per warp (EXL3_DEPTH), at K = 3.
+                if sweep && kb == 3 {
+                    for depth in [1usize, 2, 4, 8] {
+                        let extra = [format!("EXL3_DEPTH={depth}")];
+                        for l in layers.iter_mut() {
+                            l.set_kernels(
+                                Exl3Kernels::load_with(&gpu, cb, Bitrate::int(kb), &extra).unwrap(),
+                            );
                         }
-                        Ok(())
-                    })
-                    .unwrap()
-                        / copies as f64;
-                    let gbs = |ms: f64| bytes as f64 / (ms * 1e-3) / 1e9;
-                    emit(format!(
-                        "{{\"codebook\": \"{cb:?}\", \"K\": {kb}, \"k\": {k}, \"n\": {n}, \"blocks_per_sm\": {bps}, \"splits\": {splits}, \"copies\": {copies}, \"kernel_us\": {:.2}, \"kernel_gb_s\": {:.1}, \"kernel_pct_copy\": {:.1}, \"layer_us\": {:.2}, \"layer_gb_s\": {:.1}, \"layer_pct_copy\": {:.1}}}",
-                        inner * 1e3,
-                        gbs(inner),
-                        100.0 * gbs(inner) * 1e9 / copy,
-                        full * 1e3,
-                        gbs(full),
-                        100.0 * gbs(full) * 1e9 / copy
-                    ));
+                        for m in [1usize, 8, 16, 32, 64] {
+                            let full = bench::time_ms(&gpu, 2, 7, || {
+                                for l in &layers {
+                                    l.forward_in(
+                                        &gpu,
+                                        &s,
+                                        Regime::Mma,
+                                        m,
+                                        rows_in(),
+                                        gpu.ptr(&y),
+                                        n,
+                                    )?;
+                                }
+                                Ok(())
+                            })
+                            .unwrap()
+                                / copies as f64;
+                            emit(format!(
+                                "{{\"codebook\": \"{cb:?}\", \"K\": {kb}, \"k\": {k}, \"n\": {n}, \"rows\": {m}, \"regime\": \"Mma\", \"depth\": {depth}, \"layer_us\": {:.2}, \"layer_pct_copy\": {:.1}}}",
+                                full * 1e3,
+                                100.0 * gbs(full) * 1e9 / copy,
+                            ));
+                        }
+                    }
                 }
             }
         }

@@ -9,8 +9,15 @@ use trellm::backend::cuda;
 
 /// Largest relative L2 error of a step's logits (bf16 weights, activations and KV cache).
 const REL_TOL: f64 = 5e-2;
+/// The same for EXL3 folders: the tiny random models exllamav3 converted amplify the GPU's bf16
+/// activations (8 bits of mantissa) more than the bf16 fixtures do: 0.11 measured on 3inst-4.0
+/// (H200, run 1 of issue 14's EXL3 path), where exllamav3's own fp16 activations already move
+/// log-probabilities by up to 0.12 from the f32 CPU path (`exl3_tiny.rs`).
+const REL_TOL_EXL3: f64 = 0.2;
 /// Ids may differ only where the CPU's top-2 logit gap is below this.
 const TIE_GAP: f32 = 5e-2;
+/// The same for the EXL3 folders, whose logits move by up to 0.68 (max abs error, same run).
+const TIE_GAP_EXL3: f32 = 0.25;
 
 fn fixtures() -> PathBuf {
     PathBuf::from(concat!(
@@ -138,12 +145,77 @@ fn top2_gap(x: &[f32]) -> f32 {
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --ignored on the GPU machine"]
 fn batched_steps_match_the_cpu_and_each_sequence_alone() {
+    for name in ["llama", "qwen3", "gemma2", "gemma3", "phi3", "qwen2"] {
+        check_batched(&fixtures().join(name), REL_TOL, TIE_GAP);
+    }
+}
+
+/// The EXL3 folders exllamav3 converted (`oracle-data/exl3-tiny-llama`: 3INST 4.0, MCG 2.0, MUL1
+/// 2.5 and 3.0 with a 6-bit head; the copy in `tests/fixtures/exl3`; `TRELLM_EXL3_TINY` points elsewhere).
+fn exl3_tiny_folders() -> Vec<PathBuf> {
+    let root = std::env::var_os("TRELLM_EXL3_TINY")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../../tests/fixtures/exl3/tiny-llama"
+            )
+            .into()
+        });
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
+        .unwrap_or_else(|e| panic!("{}: {e}", root.display()))
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.join("config.json").exists())
+        .collect();
+    dirs.sort();
+    assert!(
+        dirs.len() >= 4,
+        "EXL3 folders missing under {}",
+        root.display()
+    );
+    dirs
+}
+
+/// EXL3 models on the GPU, compressed, against the CPU backend's exact EXL3 path: one sequence
+/// (the exact trellis GEMV for decode, the fp16 GEMM for the prompt), then ragged batches (the
+/// first step's 73 rows through the GEMM, then 5-row GEMVs).
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --ignored on the GPU machine"]
+fn exl3_folders_match_the_cpu_alone_and_batched() {
+    let reports: Vec<_> = exl3_tiny_folders()
+        .iter()
+        .map(|dir| {
+            let r = cuda::check_against_cpu(dir, 32).unwrap();
+            eprintln!(
+                "{}: max rel err {:.3e}, max abs err {:.3e}, ids equal {}",
+                dir.display(),
+                r.max_rel_err,
+                r.max_abs_err,
+                r.ids_equal()
+            );
+            r
+        })
+        .collect();
+    for r in &reports {
+        assert!(r.max_rel_err < REL_TOL_EXL3, "{r:?}");
+        if let Some(gap) = r.gap_at_divergence {
+            assert!(gap < TIE_GAP_EXL3, "ids differ at a clear choice: {r:?}");
+        }
+    }
+    for dir in exl3_tiny_folders() {
+        check_batched(&dir, REL_TOL_EXL3, TIE_GAP_EXL3);
+    }
+}
+
+fn check_batched(path: &std::path::Path, tol: f64, tie_gap: f32) {
     use trellm::backend::cpu::CpuModel;
     use trellm::backend::SoloSequence;
     use trellm_model::{Batch, BlockPool, BlockTable, ModelBackend, Want};
     const BS: usize = 16;
-    for name in ["llama", "qwen3", "gemma2", "gemma3", "phi3", "qwen2"] {
-        let m = trellm::model::load::load(&fixtures().join(name)).unwrap();
+    let name = path.display().to_string();
+    {
+        let m = trellm::model::load::load(path).unwrap();
         let cfg = m.model.cfg.clone();
         let cpu = CpuModel::new(cfg.clone(), cuda::bf16_rounded(&m.model.weights).unwrap());
         let gpu = cuda::CudaModel::new(&m.model, 96).unwrap();
@@ -180,17 +252,17 @@ fn batched_steps_match_the_cpu_and_each_sequence_alone() {
             for s in 0..lens.len() {
                 let a = alone[s].forward(&next[s], Want::Last).unwrap();
                 let (rel, _) = cuda::errors(&g[s], &c[s]);
-                assert!(rel < REL_TOL, "{name} step {step} seq {s}: vs CPU {rel}");
+                assert!(rel < tol, "{name} step {step} seq {s}: vs CPU {rel}");
                 let (rel_alone, _) = cuda::errors(&g[s], &a);
                 assert!(
-                    rel_alone < REL_TOL,
+                    rel_alone < tol,
                     "{name} step {step} seq {s}: vs alone {rel_alone}"
                 );
                 let want = trellm::engine::sampler::argmax(&c[s]);
                 for (what, row) in [("batched", &g[s]), ("alone", &a)] {
                     let got = trellm::engine::sampler::argmax(row);
                     assert!(
-                        got == want || top2_gap(&c[s]) < TIE_GAP,
+                        got == want || top2_gap(&c[s]) < tie_gap,
                         "{name} step {step} seq {s}: {what} GPU id {got}, CPU {want}"
                     );
                 }

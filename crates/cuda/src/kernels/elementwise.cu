@@ -236,6 +236,16 @@ extern "C" __global__ void fill_uniform_bf16(bf16* __restrict__ p, u64 n, u64 se
     }
 }
 
+// Seeded random 32-bit words (synthetic EXL3 trellis: every bit pattern is a valid code).
+extern "C" __global__ void fill_random_u32(u32* __restrict__ p, u64 n, u64 seed) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        u64 z = seed + (i + 1) * 0x9e3779b97f4a7c15ull;
+        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+        z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+        p[i] = (u32)(z ^ (z >> 31));
+    }
+}
+
 extern "C" __global__ void fill_f32(float* __restrict__ p, u64 n, float v) {
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
         p[i] = v;

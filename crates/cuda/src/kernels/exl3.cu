@@ -23,6 +23,11 @@
 #define EXL3_TWICE 8
 #endif
 
+// Tile rows the tensor-core GEMV keeps in flight per warp (gpu_exl3::timing sweeps it).
+#ifndef EXL3_DEPTH
+#define EXL3_DEPTH 4
+#endif
+
 #define KA (EXL3_TWICE / 2)
 #define HALF_RATE (EXL3_TWICE & 1)
 #define TILE_BITS (128 * EXL3_TWICE)
@@ -86,6 +91,31 @@ __device__ __forceinline__ float codebook(u32 x) {
 #endif
 }
 
+// The codebook's fp16 values of two 16-bit states as a packed half2 (the first in the low half):
+// the same values as codebook(), computed in fp16 arithmetic with the same single rounding (MUL1:
+// one fused fp16 fma of the exact integer 1024 + s; 3INST/MCG: one fp16 add of the two halves).
+__device__ __forceinline__ u32 codebook2(u32 x0, u32 x1) {
+    u32 r;
+#if EXL3_CB == 2
+    // dp4a's accumulator 0x6400 makes 0x6400 + s, the fp16 bits of 1024 + s (s <= 1020).
+    u32 h0, h1;
+    asm("dp4a.u32.u32 %0, %1, %2, %3;" : "=r"(h0) : "r"(x0 * 0x83DCD12Du), "r"(0x01010101u), "r"(0x6400u));
+    asm("dp4a.u32.u32 %0, %1, %2, %3;" : "=r"(h1) : "r"(x1 * 0x83DCD12Du), "r"(0x01010101u), "r"(0x6400u));
+    const u32 h = __byte_perm(h0, h1, 0x5410);
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(h), "r"(0x1EEE1EEEu), "r"(0xC931C931u));
+#else
+#if EXL3_CB == 0
+    const u32 m0 = x0 * 89226354u + 64248484u, m1 = x1 * 89226354u + 64248484u;
+#else
+    const u32 m0 = x0 * 0xCBAC1FEDu, m1 = x1 * 0xCBAC1FEDu;
+#endif
+    const u32 lo = (__byte_perm(m0, m1, 0x5410) & 0x8FFF8FFFu) ^ 0x3B603B60u;
+    const u32 hi = (__byte_perm(m0, m1, 0x7632) & 0x8FFF8FFFu) ^ 0x3B603B60u;
+    asm("add.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(lo), "r"(hi));
+#endif
+    return r;
+}
+
 // Lane geometry: which tile words it loads, and its shift to its first window.
 struct LaneWords {
     int idx[NLOAD];
@@ -127,6 +157,27 @@ __device__ __forceinline__ void decode8(const u32 (&w)[NLOAD], int shift, float 
     }
 }
 
+// The lane's 8 weights as 4 half2: (v0, v1), (v2, v3), (v4, v5), (v6, v7) of decode8's order,
+// which are the mma.m16n8k16 B fragments of the tile's two 8-column halves ({h[0], h[1]} for
+// columns 0..7, {h[2], h[3]} for 8..15).
+__device__ __forceinline__ void decode8h(const u32 (&w)[NLOAD], int shift, u32 (&h)[4]) {
+    u32 a[NALIGN + 1];
+#pragma unroll
+    for (int i = 0; i <= NALIGN; i++) {
+        const u32 hi = i < NLOAD ? w[i] : 0u;
+        const u32 lo = i + 1 < NLOAD ? w[i + 1] : 0u;
+        a[i] = __funnelshift_l(lo, hi, shift);
+    }
+    u32 st[8];
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        const int o = pos_off(j), q = o >> 5, r = o & 31;
+        st[j] = __funnelshift_l(a[q + 1], a[q], r) >> 16;
+    }
+#pragma unroll
+    for (int j = 0; j < 4; j++) h[j] = codebook2(st[2 * j], st[2 * j + 1]);
+}
+
 // Warp-wide H128 on 128 values, lane holding elements 4 lane .. 4 lane + 3: the butterflies of
 // hadamard.rs in the same order of operations, then the 1/sqrt(128) scale (bit-identical to it).
 __device__ __forceinline__ void had128(float (&v)[4], int lane) {
@@ -147,43 +198,67 @@ __device__ __forceinline__ void had128(float (&v)[4], int lane) {
     for (int i = 0; i < 4; i++) v[i] = __fmul_rn(v[i], __uint_as_float(0x3DB504F3u));
 }
 
-// xh = H128(x * suh), x zero-extended from `cols` to `k` (the model's padding to 128s). One warp
-// per 128-block; blocks of 4 warps.
-extern "C" __global__ void __launch_bounds__(128) exl3_in(const float* __restrict__ x, int cols,
+// xh[r] = H128(x[r] * suh) for the m rows r = blockIdx.y, x zero-extended from `cols` to `k` (the
+// model's padding to 128s). x is f32 or bf16 (x_bf16), row stride ldx; xh is f32 (the exact
+// path) or fp16 (xh_f16: the tensor-core GEMM's operand; clamped to fp16's range, as a real
+// activation beyond it would already be inf in exllamav3's fp16). One warp per 128-block; blocks
+// of 4 warps.
+extern "C" __global__ void __launch_bounds__(128) exl3_in(const void* __restrict__ x, int x_bf16,
+                                                          int ldx, int cols,
                                                           const float* __restrict__ suh,
-                                                          float* __restrict__ xh, int k) {
+                                                          void* __restrict__ xh, int xh_f16, int k) {
     const int lane = threadIdx.x & 31;
     const int blk = blockIdx.x * 4 + (threadIdx.x >> 5);
+    const long long r = blockIdx.y;
     if (blk * 128 >= k) return;
     float v[4];
 #pragma unroll
     for (int i = 0; i < 4; i++) {
         const int c = blk * 128 + 4 * lane + i;
-        v[i] = c < cols ? __fmul_rn(x[c], suh[c]) : 0.0f;
+        float xv = 0.0f;
+        if (c < cols) {
+            xv = x_bf16 ? bf2f(((const bf16*)x)[r * ldx + c]) : ((const float*)x)[r * ldx + c];
+        }
+        v[i] = c < cols ? __fmul_rn(xv, suh[c]) : 0.0f;
     }
     had128(v, lane);
 #pragma unroll
-    for (int i = 0; i < 4; i++) xh[blk * 128 + 4 * lane + i] = v[i];
+    for (int i = 0; i < 4; i++) {
+        const long long o = r * k + blk * 128 + 4 * lane + i;
+        if (xh_f16) {
+            unsigned short hv;
+            const float cl = fminf(fmaxf(v[i], -65504.0f), 65504.0f);
+            asm("cvt.rn.f16.f32 %0, %1;" : "=h"(hv) : "f"(cl));
+            ((unsigned short*)xh)[o] = hv;
+        } else {
+            ((float*)xh)[o] = v[i];
+        }
+    }
 }
 
-// partial[split][n]: sum over the split's tile rows of xh . W_inner. Grid (n / 128, splits),
-// 8 warps a block; warp w takes tile column 8 blockIdx.x + w, so a block reads 8 adjacent tiles
-// (contiguous bytes) per tile row. Lane L holds rows 2(L&3) + {0, 1, 8, 9} of columns L/4 and
-// L/4 + 8 (the mma B-fragment order of the positions).
-extern "C" __global__ void __launch_bounds__(256) exl3_gemv(const u32* __restrict__ trellis,
-                                                            const float* __restrict__ xh,
-                                                            float* __restrict__ partial,
-                                                            int tiles_k, int tiles_n,
-                                                            int tk_per_split) {
+// partial[split][r][n]: sum over the split's tile rows of xh[r] . W_inner, for the m <= R rows
+// (m < R leaves the rows past m unread and unwritten). Grid (n / 128, splits), 8 warps a block;
+// warp w takes tile column 8 blockIdx.x + w, so a block reads 8 adjacent tiles (contiguous bytes)
+// per tile row. Lane L holds rows 2(L&3) + {0, 1, 8, 9} of columns L/4 and L/4 + 8 (the mma
+// B-fragment order of the positions). Each weight is decoded once for all R rows; every row's sum
+// runs in the same order as R = 1's, so the result does not depend on the row count.
+template <int R>
+__device__ __forceinline__ void gemv_rows(const u32* __restrict__ trellis,
+                                          const float* __restrict__ xh,
+                                          float* __restrict__ partial, int tiles_k, int tiles_n,
+                                          int tk_per_split, int m) {
     const int lane = threadIdx.x & 31;
     const int tn = blockIdx.x * EXL3_WARPS + (threadIdx.x >> 5);
     const int tk0 = blockIdx.y * tk_per_split;
     const int tk1 = min(tk0 + tk_per_split, tiles_k);
     const LaneWords g = lane_words(lane);
     const int row0 = 2 * (lane & 3);
+    const long long k = (long long)tiles_k * 16;
     const long long stride = (long long)tiles_n * TILE_WORDS;
     const u32* t = trellis + ((long long)tk0 * tiles_n + tn) * TILE_WORDS;
-    float acc0 = 0.0f, acc1 = 0.0f;
+    float acc0[R], acc1[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) acc0[r] = acc1[r] = 0.0f;
     u32 cur[NLOAD];
     if (tk0 < tk1) load_words(t, g, cur);
     for (int tk = tk0; tk < tk1; tk++) {
@@ -193,46 +268,176 @@ extern "C" __global__ void __launch_bounds__(256) exl3_gemv(const u32* __restric
         t += stride;
         float v[8];
         decode8(cur, g.shift, v);
-        const float2 xa = __ldg((const float2*)(xh + 16 * tk + row0));
-        const float2 xb = __ldg((const float2*)(xh + 16 * tk + row0 + 8));
-        acc0 = fmaf(xa.x, v[0], acc0);
-        acc0 = fmaf(xa.y, v[1], acc0);
-        acc0 = fmaf(xb.x, v[2], acc0);
-        acc0 = fmaf(xb.y, v[3], acc0);
-        acc1 = fmaf(xa.x, v[4], acc1);
-        acc1 = fmaf(xa.y, v[5], acc1);
-        acc1 = fmaf(xb.x, v[6], acc1);
-        acc1 = fmaf(xb.y, v[7], acc1);
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            if (r < m) {
+                const float* xr = xh + r * k + 16 * tk + row0;
+                const float2 xa = __ldg((const float2*)xr);
+                const float2 xb = __ldg((const float2*)(xr + 8));
+                acc0[r] = fmaf(xa.x, v[0], acc0[r]);
+                acc0[r] = fmaf(xa.y, v[1], acc0[r]);
+                acc0[r] = fmaf(xb.x, v[2], acc0[r]);
+                acc0[r] = fmaf(xb.y, v[3], acc0[r]);
+                acc1[r] = fmaf(xa.x, v[4], acc1[r]);
+                acc1[r] = fmaf(xa.y, v[5], acc1[r]);
+                acc1[r] = fmaf(xb.x, v[6], acc1[r]);
+                acc1[r] = fmaf(xb.y, v[7], acc1[r]);
+            }
+        }
 #pragma unroll
         for (int i = 0; i < NLOAD; i++) cur[i] = nxt[i];
     }
-    // The 4 lanes of a column, in a fixed order.
-    acc0 += __shfl_xor_sync(FULL_MASK, acc0, 1);
-    acc1 += __shfl_xor_sync(FULL_MASK, acc1, 1);
-    acc0 += __shfl_xor_sync(FULL_MASK, acc0, 2);
-    acc1 += __shfl_xor_sync(FULL_MASK, acc1, 2);
-    if ((lane & 3) == 0) {
-        const long long n = (long long)tiles_n * 16;
-        float* p = partial + blockIdx.y * n + tn * 16 + (lane >> 2);
-        p[0] = acc0;
-        p[8] = acc1;
+    const long long n = (long long)tiles_n * 16;
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        if (r < m) {
+            // The 4 lanes of a column, in a fixed order.
+            float a0 = acc0[r], a1 = acc1[r];
+            a0 += __shfl_xor_sync(FULL_MASK, a0, 1);
+            a1 += __shfl_xor_sync(FULL_MASK, a1, 1);
+            a0 += __shfl_xor_sync(FULL_MASK, a0, 2);
+            a1 += __shfl_xor_sync(FULL_MASK, a1, 2);
+            if ((lane & 3) == 0) {
+                float* p = partial + ((long long)blockIdx.y * m + r) * n + tn * 16 + (lane >> 2);
+                p[0] = a0;
+                p[8] = a1;
+            }
+        }
     }
 }
 
-// y[c] = H128(sum of the splits' partials)[c] * svh[c] (+ bias[c]) for c < rows. One warp per
-// 128 outputs; blocks of 4 warps.
+#define EXL3_GEMV(name, R)                                                                      \
+    extern "C" __global__ void __launch_bounds__(256)                                           \
+        name(const u32* __restrict__ trellis, const float* __restrict__ xh,                     \
+             float* __restrict__ partial, int tiles_k, int tiles_n, int tk_per_split, int m) { \
+        gemv_rows<R>(trellis, xh, partial, tiles_k, tiles_n, tk_per_split, m);                  \
+    }
+EXL3_GEMV(exl3_gemv, 1)
+EXL3_GEMV(exl3_gemv2, 2)
+EXL3_GEMV(exl3_gemv4, 4)
+EXL3_GEMV(exl3_gemv8, 8)
+
+// The tensor-core GEMV: partial[split][r][n] = sum over the split's tile rows of xh[r] . W_inner
+// for the m <= 16 MT rows, xh in fp16 ([m][k], the A operand), each tile decoded once into the
+// mma B fragments (exact fp16 codebook values) and multiplied for every 16-row tile with f32
+// accumulation (mma.m16n8k16). Grid and warps as exl3_gemv.
+template <int MT>
+__device__ __forceinline__ void mma_rows(const u32* __restrict__ trellis,
+                                         const unsigned short* __restrict__ xh,
+                                         float* __restrict__ partial, int tiles_k, int tiles_n,
+                                         int tk_per_split, int m) {
+    const int lane = threadIdx.x & 31;
+    const int tn = blockIdx.x * EXL3_WARPS + (threadIdx.x >> 5);
+    const int tk0 = blockIdx.y * tk_per_split;
+    const int tk1 = min(tk0 + tk_per_split, tiles_k);
+    const LaneWords g = lane_words(lane);
+    const int grp = lane >> 2, tig = lane & 3;
+    const long long k = (long long)tiles_k * 16;
+    const long long stride = (long long)tiles_n * TILE_WORDS;
+    const u32* t = trellis + ((long long)tk0 * tiles_n + tn) * TILE_WORDS;
+    float acc[MT][2][4];
+#pragma unroll
+    for (int i = 0; i < MT; i++)
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) acc[i][j][c] = 0.0f;
+    // This lane's A rows (grp, grp + 8 of each 16-row tile), null where past m.
+    const u32* arow[MT][2];
+#pragma unroll
+    for (int i = 0; i < MT; i++)
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            const int r = 16 * i + grp + 8 * j;
+            arow[i][j] = r < m ? (const u32*)(xh + r * k) + tig : nullptr;
+        }
+    // EXL3_DEPTH tile rows a step, the next step's words in flight while these decode.
+    u32 cur[EXL3_DEPTH][NLOAD];
+#pragma unroll
+    for (int d = 0; d < EXL3_DEPTH; d++)
+        if (tk0 + d < tk1) load_words(t + d * stride, g, cur[d]);
+    for (int tk = tk0; tk < tk1; tk += EXL3_DEPTH) {
+        u32 nxt[EXL3_DEPTH][NLOAD];
+#pragma unroll
+        for (int d = 0; d < EXL3_DEPTH; d++)
+            if (tk + EXL3_DEPTH + d < tk1) load_words(t + (EXL3_DEPTH + d) * stride, g, nxt[d]);
+        t += EXL3_DEPTH * stride;
+#pragma unroll
+        for (int d = 0; d < EXL3_DEPTH; d++) {
+            if (tk + d >= tk1) break;
+            u32 b[4];
+            decode8h(cur[d], g.shift, b);
+#pragma unroll
+            for (int i = 0; i < MT; i++) {
+                u32 a[4];
+                // a0: row grp, k 2 tig..; a1: row grp + 8; a2: row grp, k + 8; a3: row grp + 8,
+                // k + 8.
+                const int o = 8 * (tk + d);
+                a[0] = arow[i][0] ? __ldg(arow[i][0] + o) : 0u;
+                a[1] = arow[i][1] ? __ldg(arow[i][1] + o) : 0u;
+                a[2] = arow[i][0] ? __ldg(arow[i][0] + o + 4) : 0u;
+                a[3] = arow[i][1] ? __ldg(arow[i][1] + o + 4) : 0u;
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    float* c = acc[i][j];
+                    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
+                        "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[2 * j]),
+                          "r"(b[2 * j + 1]));
+                }
+            }
+        }
+#pragma unroll
+        for (int d = 0; d < EXL3_DEPTH; d++)
+#pragma unroll
+            for (int i = 0; i < NLOAD; i++) cur[d][i] = nxt[d][i];
+    }
+    // D fragment: c0, c1 at row grp, columns 2 tig + {0, 1} of the 8-column half; c2, c3 at row
+    // grp + 8.
+    const long long n = (long long)tiles_n * 16;
+#pragma unroll
+    for (int i = 0; i < MT; i++)
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int r = 16 * i + grp + 8 * h;
+                if (r < m) {
+                    float2 v = make_float2(acc[i][j][2 * h], acc[i][j][2 * h + 1]);
+                    *(float2*)(partial + ((long long)blockIdx.y * m + r) * n + tn * 16 + 8 * j +
+                               2 * tig) = v;
+                }
+            }
+}
+
+#define EXL3_MMA(name, MT)                                                                       \
+    extern "C" __global__ void __launch_bounds__(256)                                            \
+        name(const u32* __restrict__ trellis, const unsigned short* __restrict__ xh,             \
+             float* __restrict__ partial, int tiles_k, int tiles_n, int tk_per_split, int m) {  \
+        mma_rows<MT>(trellis, xh, partial, tiles_k, tiles_n, tk_per_split, m);                   \
+    }
+EXL3_MMA(exl3_mma16, 1)
+EXL3_MMA(exl3_mma32, 2)
+EXL3_MMA(exl3_mma64, 4)
+
+// y[r][c] = H128(sum of the splits' partials of row r)[c] * svh[c] (+ bias[c]) for c < rows, the
+// m rows r = blockIdx.y; partial is [split][m][n], y has row stride ldy. One warp per 128
+// outputs; blocks of 4 warps.
 extern "C" __global__ void __launch_bounds__(128) exl3_out(const float* __restrict__ partial,
-                                                           int splits, int n,
+                                                           int splits, int n, int m,
                                                            const float* __restrict__ svh,
                                                            const float* __restrict__ bias,
-                                                           float* __restrict__ y, int rows) {
+                                                           float* __restrict__ y, int ldy,
+                                                           int rows) {
     const int lane = threadIdx.x & 31;
     const int blk = blockIdx.x * 4 + (threadIdx.x >> 5);
+    const long long r = blockIdx.y;
     if (blk * 128 >= n) return;
     const int c0 = blk * 128 + 4 * lane;
     float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int s = 0; s < splits; s++) {
-        const float4 p = *(const float4*)(partial + (long long)s * n + c0);
+        const float4 p = *(const float4*)(partial + ((long long)s * m + r) * n + c0);
         v[0] += p.x;
         v[1] += p.y;
         v[2] += p.z;
@@ -245,29 +450,42 @@ extern "C" __global__ void __launch_bounds__(128) exl3_out(const float* __restri
         if (c < rows) {
             float o = __fmul_rn(v[i], svh[c]);
             if (bias) o = __fadd_rn(o, bias[c]);
-            y[c] = o;
+            y[r * ldy + c] = o;
         }
     }
 }
 
-// W_inner decoded to f32, row-major [k][n]: the exactness check of the decode (and the first
-// step of a prefill path). Grid (n / 128, k / 16), 8 warps, one tile each.
+// W_inner decoded, row-major [k][ld], columns 128 band0 .. of it from column 0: f32 (the
+// exactness check) or fp16 (w_f16: the prefill GEMM's operand; every codebook value is an fp16,
+// so nothing is rounded). Grid (bands, k / 16), 8 warps, one tile each.
 extern "C" __global__ void __launch_bounds__(256) exl3_dequant(const u32* __restrict__ trellis,
-                                                               float* __restrict__ w,
-                                                               int tiles_n) {
+                                                               void* __restrict__ w, int w_f16,
+                                                               int tiles_n, int band0, int ld) {
     const int lane = threadIdx.x & 31;
-    const int tn = blockIdx.x * EXL3_WARPS + (threadIdx.x >> 5);
+    const int tc = blockIdx.x * EXL3_WARPS + (threadIdx.x >> 5);
+    const int tn = band0 * EXL3_WARPS + tc;
     const int tk = blockIdx.y;
     const LaneWords g = lane_words(lane);
     u32 words[NLOAD];
     load_words(trellis + ((long long)tk * tiles_n + tn) * TILE_WORDS, g, words);
-    float v[8];
-    decode8(words, g.shift, v);
-    const long long n = (long long)tiles_n * 16;
-#pragma unroll
-    for (int j = 0; j < 8; j++) {
+    // j: decode8's order (row 2 (lane & 3) + (j & 1) + 8 ((j >> 1) & 1), column lane / 4 +
+    // 8 (j >> 2)).
+    const auto at = [&](int j) {
         const int row = 2 * (lane & 3) + (j & 1) + 8 * ((j >> 1) & 1);
         const int col = (lane >> 2) + 8 * (j >> 2);
-        w[(long long)(tk * 16 + row) * n + tn * 16 + col] = v[j];
+        return (long long)(tk * 16 + row) * ld + tc * 16 + col;
+    };
+    if (w_f16) {
+        // The fp16 decoder (the tensor-core kernels' values).
+        u32 h[4];
+        decode8h(words, g.shift, h);
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            ((unsigned short*)w)[at(j)] = (unsigned short)(h[j >> 1] >> (16 * (j & 1)));
+    } else {
+        float v[8];
+        decode8(words, g.shift, v);
+#pragma unroll
+        for (int j = 0; j < 8; j++) ((float*)w)[at(j)] = v[j];
     }
 }

@@ -37,6 +37,7 @@ pub const ELEMENTWISE: KernelSource = KernelSource {
         "logits_argmax_partial",
         "argmax_final",
         "fill_uniform_bf16",
+        "fill_random_u32",
         "fill_f32",
         "spin_ns",
         "gather_rows",
@@ -92,7 +93,18 @@ pub const GEMV: KernelSource = KernelSource {
 pub const EXL3: KernelSource = KernelSource {
     name: "exl3",
     source: include_str!("exl3.cu"),
-    functions: &["exl3_in", "exl3_gemv", "exl3_out", "exl3_dequant"],
+    functions: &[
+        "exl3_in",
+        "exl3_gemv",
+        "exl3_gemv2",
+        "exl3_gemv4",
+        "exl3_gemv8",
+        "exl3_mma16",
+        "exl3_mma32",
+        "exl3_mma64",
+        "exl3_out",
+        "exl3_dequant",
+    ],
     hot: true,
     variants: crate::exl3::VARIANTS,
 };

@@ -19,14 +19,6 @@ use crate::model::weights::{LayerWeights, Linear, LinearWeight, Matrix, NormWeig
 
 pub use trellm_cuda::{available, unavailable_reason};
 
-/// The matrix of a projection in a ggml format (EXL3 weights need the trellis kernels).
-fn ggml(l: &LinearWeight) -> Result<&Matrix> {
-    match l {
-        LinearWeight::Ggml(m) => Ok(m),
-        LinearWeight::Exl3(_) => bail!("EXL3 weights are not supported on CUDA yet"),
-    }
-}
-
 /// Uploads `model`'s weights (any stored format, rounded to bf16) and builds the GPU decoder
 /// over its config and plan.
 pub fn upload(
@@ -74,15 +66,20 @@ impl CudaModel {
         })
     }
 
-    /// Seeded synthetic weights of a named shape (`bench --shape`), generated on the device.
-    pub fn synthetic(shape: &str, capacity: usize) -> Result<CudaModel> {
+    /// Seeded synthetic weights of a named shape (`bench --shape`), generated on the device;
+    /// EXL3 layers of a codebook and bitrate with `exl3`.
+    pub fn synthetic(
+        shape: &str,
+        capacity: usize,
+        exl3: Option<(trellm_quant::exl3::Codebook, trellm_quant::exl3::Bitrate)>,
+    ) -> Result<CudaModel> {
         if !available() {
             bail!("--device cuda: {}", unavailable_reason());
         }
         let gpu = Arc::new(Gpu::new(0)?);
         let cfg = trellm_cuda::bench::shape(shape)?;
         let plan = trellm_model::Plan::new(&cfg);
-        let w = DenseWeights::synthetic(&gpu, &cfg, 1)?;
+        let w = DenseWeights::synthetic_with(&gpu, &cfg, 1, exl3)?;
         let cap = capacity.max(1);
         let dense = DenseModel::new(
             gpu,
@@ -142,8 +139,9 @@ impl ModelBackend for CudaModel {
     }
 }
 
-/// `w` with every matrix decoded and rounded to bf16 (the values the GPU holds), stored as f32
-/// in memory, whatever the file's format; norms and biases stay f32 as on the GPU.
+/// `w` with every ggml-format matrix decoded and rounded to bf16 (the values the GPU holds),
+/// stored as f32 in memory; EXL3 matrices as they are (the GPU decodes them exactly); norms and
+/// biases stay f32 as on the GPU.
 pub fn bf16_rounded(w: &Weights) -> Result<Weights> {
     let mat = |m: &Matrix| -> Result<Matrix> {
         let mut v = vec![0.0f32; m.rows * m.cols];
@@ -155,7 +153,13 @@ pub fn bf16_rounded(w: &Weights) -> Result<Weights> {
         }
         Matrix::from_f32(m.rows, m.cols, &v)
     };
-    let lw = |l: &LinearWeight| -> Result<LinearWeight> { Ok(LinearWeight::Ggml(mat(ggml(l)?)?)) };
+    // EXL3 matrices are exact on both sides (the GPU keeps them compressed).
+    let lw = |l: &LinearWeight| -> Result<LinearWeight> {
+        Ok(match l {
+            LinearWeight::Ggml(m) => LinearWeight::Ggml(mat(m)?),
+            LinearWeight::Exl3(e) => LinearWeight::Exl3(e.clone()),
+        })
+    };
     let lin = |l: &Linear| -> Result<Linear> {
         Ok(Linear {
             w: lw(&l.w)?,
@@ -286,6 +290,13 @@ pub fn check_against_cpu(model_path: &Path, steps: usize) -> Result<CheckReport>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn ggml(l: &LinearWeight) -> Result<&Matrix> {
+        match l {
+            LinearWeight::Ggml(m) => Ok(m),
+            LinearWeight::Exl3(_) => bail!("an EXL3 matrix"),
+        }
+    }
 
     /// The CPU side of `bench --check`: every matrix holds exactly the bf16 rounding of the
     /// stored values, in memory, so the check needs no folder layout (any format loads).

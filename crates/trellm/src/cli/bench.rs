@@ -46,6 +46,38 @@ pub struct BenchArgs {
     /// cuda: context length the decode steps start at.
     #[arg(long, default_value_t = 512)]
     pub context: usize,
+    /// cuda, with `--shape`: every projection as synthetic EXL3 weights, `CODEBOOK:BITS`
+    /// (mul1, mcg or 3inst; 1..8, or 1.5, 2.5, 3.5), the head at 6 bits as exllamav3 converts it.
+    #[arg(long, value_name = "CODEBOOK:BITS", value_parser = parse_exl3)]
+    pub exl3: Option<Exl3Spec>,
+}
+
+/// A codebook and bitrate of synthetic EXL3 weights (`--exl3`).
+#[derive(Debug, Clone, Copy)]
+pub struct Exl3Spec {
+    pub codebook: trellm_quant::exl3::Codebook,
+    pub rate: trellm_quant::exl3::Bitrate,
+}
+
+fn parse_exl3(s: &str) -> Result<Exl3Spec, String> {
+    use trellm_quant::exl3::{Bitrate, Codebook};
+    let (cb, bits) = s
+        .split_once(':')
+        .ok_or_else(|| format!("'{s}': expected CODEBOOK:BITS, e.g. mul1:3"))?;
+    let codebook = match cb.to_ascii_lowercase().as_str() {
+        "mul1" => Codebook::Mul1,
+        "mcg" => Codebook::Mcg,
+        "3inst" => Codebook::Inst3,
+        _ => return Err(format!("unknown codebook '{cb}' (mul1, mcg, 3inst)")),
+    };
+    let bad = || format!("'{bits}' bits: 1..8 or 1.5, 2.5, 3.5");
+    let b: f32 = bits.parse().map_err(|_| bad())?;
+    let twice = b * 2.0;
+    if !(1.0..=16.0).contains(&twice) || twice.fract() != 0.0 {
+        return Err(bad());
+    }
+    let rate = Bitrate::from_tile_words(8 * twice as usize).map_err(|_| bad())?;
+    Ok(Exl3Spec { codebook, rate })
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -71,6 +103,9 @@ fn check_sizes(a: &BenchArgs) -> Result<()> {
     check_count("--n-prompt", a.n_prompt, MAX_BENCH_TOKENS)?;
     check_count("--n-gen", a.n_gen, MAX_BENCH_TOKENS)?;
     check_count("--context", a.context, MAX_BENCH_TOKENS)?;
+    if a.exl3.is_some() && (a.device != Device::Cuda || a.shape.is_none()) {
+        bail!("--exl3 makes synthetic weights: it needs --device cuda --shape NAME");
+    }
     Ok(())
 }
 

@@ -17,7 +17,8 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         bail!("--device cuda: {}", cuda::unavailable_reason());
     }
     if let (Some(sizes), Some(shape)) = (&a.batch, &a.shape) {
-        let model = cuda::CudaModel::synthetic(shape, a.n_prompt + a.n_gen)?;
+        let exl3 = a.exl3.map(|e| (e.codebook, e.rate));
+        let model = cuda::CudaModel::synthetic(shape, a.n_prompt + a.n_gen, exl3)?;
         super::bench::batched_on(a, &model, &format!("--shape {shape}"), sizes)?;
         let b = sizes.iter().copied().max().unwrap_or(1);
         let (wall_ms, prof) = profile_batch(&model, b, a.n_prompt)?;
@@ -55,12 +56,14 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         n_gen: a.n_gen.max(1),
         repetitions: a.repetitions,
         seed: 1,
+        exl3: a.exl3.map(|e| (e.codebook, e.rate)),
     };
     let r = trellm_cuda::bench::run(shape, &o)?;
     let copy = r.copy_bytes_per_s;
     let obj = serde_json::json!({
         "device": r.device,
         "shape": r.shape,
+        "weights": a.exl3.map_or("bf16".to_string(), |e| format!("exl3 {:?} {} bits (head 6)", e.codebook, e.rate.bits())),
         "copy_tb_s": copy / 1e12,
         "gemm_bf16_tflop_s": r.gemm_flops_bf16_out / 1e12,
         "gemm_bf16_f32out_tflop_s": r.gemm_flops_f32_out / 1e12,
