@@ -116,8 +116,8 @@ pub struct Exl3Kernels {
     pub input: CudaFunction,
     /// The GEMV for up to 1, 2, 4 and 8 rows.
     pub gemv: [CudaFunction; 4],
-    /// The tensor-core GEMV for up to 16, 32 and 64 rows.
-    pub mma: [CudaFunction; 3],
+    /// The tensor-core GEMV for up to 8, 16, 32 and 64 rows.
+    pub mma: [CudaFunction; 4],
     pub output: CudaFunction,
     pub dequant: CudaFunction,
 }
@@ -146,7 +146,12 @@ impl Exl3Kernels {
                 f("exl3_gemv4")?,
                 f("exl3_gemv8")?,
             ],
-            mma: [f("exl3_mma16")?, f("exl3_mma32")?, f("exl3_mma64")?],
+            mma: [
+                f("exl3_mma8")?,
+                f("exl3_mma16")?,
+                f("exl3_mma32")?,
+                f("exl3_mma64")?,
+            ],
             output: f("exl3_out")?,
             dequant: f("exl3_dequant")?,
         })
@@ -201,24 +206,23 @@ pub struct Exl3Scratch {
     xh16: CudaSlice<u16>,
     band: CudaSlice<u16>,
     yg: CudaSlice<f32>,
+    /// The tensor-core GEMV's finished splits per band (zero between launches).
+    counters: CudaSlice<u32>,
 }
 
 impl Exl3Scratch {
     /// For `layers`, each run on up to its number of rows at once.
     pub fn new(gpu: &Gpu, layers: &[(&Exl3Linear, usize)]) -> Result<Exl3Scratch> {
-        let (mut xh, mut partial, mut xh16, mut band, mut yg) = (1, 1, 1, 1, 1);
+        let (mut xh, mut partial, mut xh16, mut band, mut yg, mut bands) = (1, 1, 1, 1, 1, 1);
         for &(l, rows) in layers {
             let (k, n) = (l.shape.k, l.shape.n);
             let gemv_rows = rows.clamp(1, GEMV_ROWS);
             xh = xh.max(gemv_rows * k);
             partial = partial.max(l.split(gpu.sm_count, BLOCKS_PER_SM).0 * gemv_rows * n);
-            for mt in [1, 2, 4] {
-                if rows > 16 * (mt / 2) {
-                    let mma_rows = rows.min(16 * mt);
-                    xh16 = xh16.max(mma_rows * k);
-                    let splits = l.split(gpu.sm_count, mma_blocks_per_sm(mt)).0;
-                    partial = partial.max(splits * mma_rows * n);
-                }
+            bands = bands.max(n / 128);
+            for mma_rows in 1..=rows.clamp(1, MMA_ROWS) {
+                let splits = mma_split(&l.shape, gpu.sm_count, mma_rows).0;
+                partial = partial.max(splits * mma_rows * n);
             }
             if rows >= GEMM_MIN_ROWS {
                 xh16 = xh16.max(rows * k);
@@ -232,6 +236,7 @@ impl Exl3Scratch {
             xh16: gpu.alloc(xh16)?,
             band: gpu.alloc(band)?,
             yg: gpu.alloc(yg)?,
+            counters: gpu.alloc(bands)?,
         })
     }
 
@@ -265,6 +270,26 @@ impl Rows {
 /// so the partial sums' traffic stays below the weights').
 fn mma_blocks_per_sm(mt: usize) -> usize {
     (BLOCKS_PER_SM / mt).max(1)
+}
+
+/// fp16 values of the rotated input a tensor-core GEMV block holds (`XS_HALVES` in exl3.cu).
+const XS_HALVES: usize = 24320;
+
+/// The tensor-core GEMV's split for `m` rows: as [`split_for`], in whole 128-input blocks (its
+/// blocks rotate their own inputs), each split's rows of inputs fitting the block's
+/// [`XS_HALVES`] (with the 8 of padding a row). Returns (splits, tile rows per split).
+pub fn mma_split(shape: &Exl3Shape, sm_count: usize, m: usize) -> (usize, usize) {
+    let mt = m.div_ceil(16).next_power_of_two();
+    let tiles_k = shape.tiles_k().max(8);
+    let bands = (shape.n / 128).max(1);
+    let want = (sm_count * mma_blocks_per_sm(mt)).div_ceil(bands);
+    let splits = want.clamp(1, (tiles_k / 8).max(1));
+    let per_max = ((XS_HALVES / m.max(1) - 8) / 16) / 8 * 8;
+    let per = tiles_k
+        .div_ceil(splits)
+        .next_multiple_of(8)
+        .min(per_max.max(8));
+    (tiles_k.div_ceil(per), per)
 }
 
 impl Exl3Linear {
@@ -509,7 +534,7 @@ impl Exl3Linear {
         self.launch_output(gpu, m, partial, splits, y, ldy)
     }
 
-    /// The tensor-core GEMV for `m <= MMA_ROWS` rows.
+    /// The tensor-core GEMV for `m <= MMA_ROWS` rows: one launch, both Hadamards included.
     fn mma_rows(
         &self,
         gpu: &Gpu,
@@ -519,36 +544,46 @@ impl Exl3Linear {
         y: u64,
         ldy: usize,
     ) -> Result<()> {
-        let (k, n) = (self.shape.k, self.shape.n);
-        let mt = m.div_ceil(16).next_power_of_two();
-        let (f, mt) = match mt {
-            1 => (&self.k.mma[0], 1),
-            2 => (&self.k.mma[1], 2),
-            4 => (&self.k.mma[2], 4),
+        let n = self.shape.n;
+        let f = match m {
+            1..=8 => &self.k.mma[0],
+            9..=16 => &self.k.mma[1],
+            17..=32 => &self.k.mma[2],
+            33..=MMA_ROWS => &self.k.mma[3],
             _ => bail!("the tensor-core GEMV takes 1..={MMA_ROWS} rows, not {m}"),
         };
-        let (splits, per) = self.split(gpu.sm_count, mma_blocks_per_sm(mt));
+        let (splits, per) = mma_split(&self.shape, gpu.sm_count, m);
         ensure!(
-            s.xh16.len() >= m * k && s.partial.len() >= splits * m * n,
-            "EXL3 scratch too small for {m} rows of {k}x{n}"
+            s.partial.len() >= splits * m * n
+                && s.counters.len() >= n / 128
+                && m * (16 * per + 8) <= XS_HALVES,
+            "EXL3 scratch too small for {m} rows of {}x{n}",
+            self.shape.k
         );
-        let (xh, partial) = (gpu.ptr(&s.xh16), gpu.ptr(&s.partial));
-        self.launch_input(gpu, m, x, xh, true)?;
         gpu.launch(
             f,
             ((n / 128) as u32, splits as u32, 1),
             256,
             &[
                 Arg::Ptr(gpu.ptr(&self.trellis)),
-                Arg::Ptr(xh),
-                Arg::Ptr(partial),
+                Arg::Ptr(x.ptr),
+                Arg::I32(x.bf16 as i32),
+                Arg::I32(x.ld as i32),
+                Arg::I32(self.cols as i32),
+                Arg::Ptr(gpu.ptr(&self.suh)),
+                Arg::Ptr(gpu.ptr(&self.svh)),
+                Arg::Ptr(self.bias.as_ref().map_or(0, |b| gpu.ptr(b))),
+                Arg::Ptr(gpu.ptr(&s.partial)),
+                Arg::Ptr(gpu.ptr(&s.counters)),
+                Arg::Ptr(y),
+                Arg::I32(ldy as i32),
+                Arg::I32(self.rows as i32),
                 Arg::I32(self.shape.tiles_k() as i32),
                 Arg::I32(self.shape.tiles_n() as i32),
                 Arg::I32(per as i32),
                 Arg::I32(m as i32),
             ],
-        )?;
-        self.launch_output(gpu, m, partial, splits, y, ldy)
+        )
     }
 
     /// The GEMM path: fp16 input Hadamard, `W_inner` decoded band by band into fp16 and multiplied
@@ -839,6 +874,34 @@ mod tests {
                         rate.bits()
                     );
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn mma_splits_are_whole_hadamard_blocks_that_fit_the_block() {
+        for &(k, n) in &[
+            (128, 128),
+            (4096, 14336),
+            (14336, 4096),
+            (4096, 128256),
+            (640, 1024),
+        ] {
+            let shape = Exl3Shape {
+                k,
+                n,
+                rate: Bitrate::int(3),
+                codebook: Codebook::Mul1,
+            };
+            for m in 1..=MMA_ROWS {
+                let (splits, per) = mma_split(&shape, 132, m);
+                let tiles_k = k / 16;
+                assert!(per % 8 == 0 && per >= 8, "{k}x{n} m={m}: {per}");
+                assert!(
+                    splits * per >= tiles_k && (splits - 1) * per < tiles_k,
+                    "{k}x{n} m={m}"
+                );
+                assert!(m * (16 * per + 8) <= XS_HALVES, "{k}x{n} m={m}: {per}");
             }
         }
     }

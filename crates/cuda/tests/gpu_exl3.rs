@@ -9,7 +9,7 @@ use std::sync::Arc;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use trellm_cuda::exl3::{Exl3Kernels, Exl3Linear, Exl3Scratch, Regime, Rows, GEMM_MIN_ROWS};
+use trellm_cuda::exl3::{Exl3Linear, Exl3Scratch, Regime, Rows, GEMM_MIN_ROWS};
 use trellm_cuda::{bench, Gpu};
 use trellm_model::weights::{Linear, LinearWeight, TensorSource, Weights};
 use trellm_model::ModelConfig;
@@ -571,7 +571,7 @@ fn timing() {
                 let h = host(k, n, k, n, cb, Bitrate::int(kb), 7);
                 let bytes = h.shape.trellis_bytes();
                 let copies = (400usize << 20).div_ceil(bytes).max(2);
-                let mut layers: Vec<Exl3Linear> = (0..copies).map(|_| h.upload(&gpu)).collect();
+                let layers: Vec<Exl3Linear> = (0..copies).map(|_| h.upload(&gpu)).collect();
                 let sweep = cb == Codebook::Mul1;
                 let most = if sweep {
                     *row_counts.last().unwrap()
@@ -623,41 +623,34 @@ fn timing() {
                         ));
                     }
                 }
-                // The tensor-core GEMV's tile rows in flight per warp (EXL3_DEPTH), at K = 3.
-                if sweep && kb == 3 {
-                    for depth in [1usize, 2, 4, 8] {
-                        let extra = [format!("EXL3_DEPTH={depth}")];
-                        for l in layers.iter_mut() {
-                            l.set_kernels(
-                                Exl3Kernels::load_with(&gpu, cb, Bitrate::int(kb), &extra).unwrap(),
-                            );
-                        }
-                        for m in [1usize, 8, 16, 32, 64] {
-                            let full = bench::time_ms(&gpu, 2, 7, || {
-                                for l in &layers {
-                                    l.forward_in(
-                                        &gpu,
-                                        &s,
-                                        Regime::Mma,
-                                        m,
-                                        rows_in(),
-                                        gpu.ptr(&y),
-                                        n,
-                                    )?;
-                                }
-                                Ok(())
-                            })
-                            .unwrap()
-                                / copies as f64;
-                            emit(format!(
-                                "{{\"codebook\": \"{cb:?}\", \"K\": {kb}, \"k\": {k}, \"n\": {n}, \"rows\": {m}, \"regime\": \"Mma\", \"depth\": {depth}, \"layer_us\": {:.2}, \"layer_pct_copy\": {:.1}}}",
-                                full * 1e3,
-                                100.0 * gbs(full) * 1e9 / copy,
-                            ));
-                        }
-                    }
-                }
             }
         }
     }
+}
+
+/// A target for Nsight Compute (`ncu -k regex:exl3_`): one 4096x14336 MUL1 K = 3 layer through
+/// the tensor-core GEMV at 1 and 16 rows and the exact GEMV at 1 row, three times each. Checks
+/// nothing but that it runs.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on the GPU machine"]
+fn profile_target() {
+    let gpu = gpu();
+    let h = host(4096, 14336, 4096, 14336, Codebook::Mul1, Bitrate::int(3), 3);
+    let l = h.upload(&gpu);
+    let s = Exl3Scratch::new(&gpu, &[(&l, 16)]).unwrap();
+    let xs: Vec<f32> = (0..16).flat_map(|_| h.x.iter().copied()).collect();
+    let x = gpu.upload(&xs).unwrap();
+    let y = gpu.alloc::<f32>(16 * h.shape.n).unwrap();
+    let rows = Rows {
+        ptr: gpu.ptr(&x),
+        bf16: false,
+        ld: h.cols,
+    };
+    for _ in 0..3 {
+        for (regime, m) in [(Regime::Mma, 1), (Regime::Mma, 16), (Regime::Gemv, 1)] {
+            l.forward_in(&gpu, &s, regime, m, rows, gpu.ptr(&y), h.shape.n)
+                .unwrap();
+        }
+    }
+    gpu.sync().unwrap();
 }

@@ -23,10 +23,9 @@
 #define EXL3_TWICE 8
 #endif
 
-// Tile rows the tensor-core GEMV keeps in flight per warp (gpu_exl3::timing sweeps it).
-#ifndef EXL3_DEPTH
-#define EXL3_DEPTH 4
-#endif
+// Tile rows of one step of the tensor-core GEMV (two steps in flight per warp). Its splits are
+// whole pairs of steps (exl3::mma_split: multiples of 8 tile rows).
+#define MMA_DEPTH 4
 
 #define KA (EXL3_TWICE / 2)
 #define HALF_RATE (EXL3_TWICE & 1)
@@ -56,6 +55,8 @@ __host__ __device__ constexpr int lane_loads() {
     return m;
 }
 #define NLOAD (lane_loads())
+// Words of a tile each lane holds when a warp loads the tile coalesced.
+#define OWN ((TILE_WORDS + 31) / 32)
 // Aligned words the 8 windows span.
 #define NALIGN ((pos_off(7) + 16 + 31) / 32)
 
@@ -317,24 +318,71 @@ EXL3_GEMV(exl3_gemv2, 2)
 EXL3_GEMV(exl3_gemv4, 4)
 EXL3_GEMV(exl3_gemv8, 8)
 
-// The tensor-core GEMV: partial[split][r][n] = sum over the split's tile rows of xh[r] . W_inner
-// for the m <= 16 MT rows, xh in fp16 ([m][k], the A operand), each tile decoded once into the
-// mma B fragments (exact fp16 codebook values) and multiplied for every 16-row tile with f32
-// accumulation (mma.m16n8k16). Grid and warps as exl3_gemv.
-template <int MT>
-__device__ __forceinline__ void mma_rows(const u32* __restrict__ trellis,
-                                         const unsigned short* __restrict__ xh,
-                                         float* __restrict__ partial, int tiles_k, int tiles_n,
-                                         int tk_per_split, int m) {
-    const int lane = threadIdx.x & 31;
-    const int tn = blockIdx.x * EXL3_WARPS + (threadIdx.x >> 5);
+// fp16 halves of the rotated input a tensor-core GEMV block holds (rows x (its split's inputs +
+// 8)).
+#define XS_HALVES 24320
+
+// The whole layer for m <= 16 MT rows (m <= 8 unless FULL) in one launch, on tensor cores:
+//   y[r][c] = (H128(sum over splits of xh[r] . W_inner) * svh + bias)[c]
+// Prologue: the block rotates its split's inputs of every row, xh = H128(x * suh) rounded to
+// fp16, into shared memory (the A operand; a split is whole 128-blocks). Main loop: each tile
+// decoded once into the mma B fragments (exact fp16 codebook values) and multiplied for every
+// 16-row tile with f32 accumulation (mma.m16n8k16); its partial sums go to partial[split][r][n].
+// Epilogue: the last block of a band to finish (a counter per band, reset by that block for the
+// next launch) sums the band's partials in split order (so runs are bit-identical), rotates them
+// back and scales. Grid (n / 128, splits), 8 warps; warp w takes tile column 8 blockIdx.x + w.
+template <int MT, bool FULL>
+__device__ __forceinline__ void mma_layer(const u32* __restrict__ trellis, const void* __restrict__ x,
+                                          int x_bf16, int ldx, int cols,
+                                          const float* __restrict__ suh,
+                                          const float* __restrict__ svh,
+                                          const float* __restrict__ bias,
+                                          float* __restrict__ partial, u32* __restrict__ counters,
+                                          float* __restrict__ y, int ldy, int rows, int tiles_k,
+                                          int tiles_n, int tk_per_split, int m) {
+    __shared__ __align__(16) unsigned short xs[XS_HALVES];
+    __shared__ int last;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int tn = blockIdx.x * EXL3_WARPS + warp;
     const int tk0 = blockIdx.y * tk_per_split;
     const int tk1 = min(tk0 + tk_per_split, tiles_k);
+    const int kw = 16 * (tk1 - tk0);
+    // Row stride of xs: 8 halves of padding put the 8 rows an A load reads in distinct banks.
+    const int ks = kw + 8;
+    const int splits = gridDim.y;
+    const long long n = (long long)tiles_n * 16;
+
+    // xs[r][0..kw) = fp16(H128(x[r] * suh)) over this split's inputs.
+    const int blocks = kw / 128;
+    for (int job = warp; job < m * blocks; job += EXL3_WARPS) {
+        const int r = job / blocks, b = job - r * blocks;
+        const int c0 = 16 * tk0 + 128 * b + 4 * lane;
+        float v[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int c = c0 + i;
+            float xv = 0.0f;
+            if (c < cols)
+                xv = x_bf16 ? bf2f(((const bf16*)x)[(long long)r * ldx + c])
+                            : ((const float*)x)[(long long)r * ldx + c];
+            v[i] = c < cols ? __fmul_rn(xv, suh[c]) : 0.0f;
+        }
+        had128(v, lane);
+        u32 h01, h23;
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(h01) : "f"(fminf(fmaxf(v[1], -65504.0f), 65504.0f)),
+            "f"(fminf(fmaxf(v[0], -65504.0f), 65504.0f)));
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(h23) : "f"(fminf(fmaxf(v[3], -65504.0f), 65504.0f)),
+            "f"(fminf(fmaxf(v[2], -65504.0f), 65504.0f)));
+        *(uint2*)&xs[r * ks + 128 * b + 4 * lane] = make_uint2(h01, h23);
+    }
+    __syncthreads();
+
     const LaneWords g = lane_words(lane);
     const int grp = lane >> 2, tig = lane & 3;
-    const long long k = (long long)tiles_k * 16;
     const long long stride = (long long)tiles_n * TILE_WORDS;
-    const u32* t = trellis + ((long long)tk0 * tiles_n + tn) * TILE_WORDS;
+    // The tile's words coalesced (lane L holds words L and L + 32); each lane takes the words it
+    // decodes from their holders by shuffles.
+    const u32* tl = trellis + ((long long)tk0 * tiles_n + tn) * TILE_WORDS + lane;
     float acc[MT][2][4];
 #pragma unroll
     for (int i = 0; i < MT; i++)
@@ -342,41 +390,53 @@ __device__ __forceinline__ void mma_rows(const u32* __restrict__ trellis,
         for (int j = 0; j < 2; j++)
 #pragma unroll
             for (int c = 0; c < 4; c++) acc[i][j][c] = 0.0f;
-    // This lane's A rows (grp, grp + 8 of each 16-row tile), null where past m.
-    const u32* arow[MT][2];
+    // This lane's A rows in xs (grp, and grp + 8 where FULL, of each 16-row tile), -1 past m.
+    int arow[MT][2];
 #pragma unroll
     for (int i = 0; i < MT; i++)
 #pragma unroll
         for (int j = 0; j < 2; j++) {
             const int r = 16 * i + grp + 8 * j;
-            arow[i][j] = r < m ? (const u32*)(xh + r * k) + tig : nullptr;
+            arow[i][j] = r < m ? r * ks + 2 * tig : -1;
         }
-    // EXL3_DEPTH tile rows a step, the next step's words in flight while these decode.
-    u32 cur[EXL3_DEPTH][NLOAD];
+    const auto load = [&](const u32* p, u32 (&w)[MMA_DEPTH][OWN]) {
 #pragma unroll
-    for (int d = 0; d < EXL3_DEPTH; d++)
-        if (tk0 + d < tk1) load_words(t + d * stride, g, cur[d]);
-    for (int tk = tk0; tk < tk1; tk += EXL3_DEPTH) {
-        u32 nxt[EXL3_DEPTH][NLOAD];
+        for (int d = 0; d < MMA_DEPTH; d++)
 #pragma unroll
-        for (int d = 0; d < EXL3_DEPTH; d++)
-            if (tk + EXL3_DEPTH + d < tk1) load_words(t + (EXL3_DEPTH + d) * stride, g, nxt[d]);
-        t += EXL3_DEPTH * stride;
+            for (int o = 0; o < OWN; o++)
+                w[d][o] = (32 * o + lane < TILE_WORDS) ? __ldg(p + d * stride + 32 * o) : 0u;
+    };
+    const auto step = [&](const u32 (&w)[MMA_DEPTH][OWN], int tk) {
 #pragma unroll
-        for (int d = 0; d < EXL3_DEPTH; d++) {
-            if (tk + d >= tk1) break;
+        for (int d = 0; d < MMA_DEPTH; d++) {
+            u32 cur[NLOAD];
+#pragma unroll
+            for (int i = 0; i < NLOAD; i++) {
+                const int src = g.idx[i];
+                if (OWN == 1) {
+                    cur[i] = __shfl_sync(FULL_MASK, w[d][0], src);
+                } else {
+                    const u32 lo = __shfl_sync(FULL_MASK, w[d][0], src & 31);
+                    const u32 hi = __shfl_sync(FULL_MASK, w[d][OWN - 1], src & 31);
+                    cur[i] = src < 32 ? lo : hi;
+                }
+            }
             u32 b[4];
-            decode8h(cur[d], g.shift, b);
+            decode8h(cur, g.shift, b);
+            const int o = 16 * (tk + d - tk0);
 #pragma unroll
             for (int i = 0; i < MT; i++) {
-                u32 a[4];
                 // a0: row grp, k 2 tig..; a1: row grp + 8; a2: row grp, k + 8; a3: row grp + 8,
                 // k + 8.
-                const int o = 8 * (tk + d);
-                a[0] = arow[i][0] ? __ldg(arow[i][0] + o) : 0u;
-                a[1] = arow[i][1] ? __ldg(arow[i][1] + o) : 0u;
-                a[2] = arow[i][0] ? __ldg(arow[i][0] + o + 4) : 0u;
-                a[3] = arow[i][1] ? __ldg(arow[i][1] + o + 4) : 0u;
+                u32 a[4];
+                a[0] = arow[i][0] >= 0 ? *(const u32*)&xs[arow[i][0] + o] : 0u;
+                a[2] = arow[i][0] >= 0 ? *(const u32*)&xs[arow[i][0] + o + 8] : 0u;
+                if (FULL) {
+                    a[1] = arow[i][1] >= 0 ? *(const u32*)&xs[arow[i][1] + o] : 0u;
+                    a[3] = arow[i][1] >= 0 ? *(const u32*)&xs[arow[i][1] + o + 8] : 0u;
+                } else {
+                    a[1] = a[3] = 0u;
+                }
 #pragma unroll
                 for (int j = 0; j < 2; j++) {
                     float* c = acc[i][j];
@@ -388,14 +448,20 @@ __device__ __forceinline__ void mma_rows(const u32* __restrict__ trellis,
                 }
             }
         }
-#pragma unroll
-        for (int d = 0; d < EXL3_DEPTH; d++)
-#pragma unroll
-            for (int i = 0; i < NLOAD; i++) cur[d][i] = nxt[d][i];
+    };
+    // Two buffers of MMA_DEPTH tile rows in turn, one in flight while the other decodes (a split
+    // is whole pairs of steps: 2 MMA_DEPTH = 8 tile rows divide it).
+    u32 wa[MMA_DEPTH][OWN], wb[MMA_DEPTH][OWN];
+    load(tl, wa);
+    for (int tk = tk0; tk < tk1; tk += 2 * MMA_DEPTH) {
+        load(tl + MMA_DEPTH * stride, wb);
+        step(wa, tk);
+        if (tk + 2 * MMA_DEPTH < tk1) load(tl + 2 * MMA_DEPTH * stride, wa);
+        step(wb, tk + MMA_DEPTH);
+        tl += 2 * MMA_DEPTH * stride;
     }
     // D fragment: c0, c1 at row grp, columns 2 tig + {0, 1} of the 8-column half; c2, c3 at row
     // grp + 8.
-    const long long n = (long long)tiles_n * 16;
 #pragma unroll
     for (int i = 0; i < MT; i++)
 #pragma unroll
@@ -409,17 +475,53 @@ __device__ __forceinline__ void mma_rows(const u32* __restrict__ trellis,
                                2 * tig) = v;
                 }
             }
+
+    // The band's last block finishes it.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(&counters[blockIdx.x], 1u) == (u32)(splits - 1);
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int r = warp; r < m; r += EXL3_WARPS) {
+        const long long c0 = (long long)blockIdx.x * 128 + 4 * lane;
+        float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int s = 0; s < splits; s++) {
+            const float4 p = __ldcg((const float4*)(partial + ((long long)s * m + r) * n + c0));
+            v[0] += p.x;
+            v[1] += p.y;
+            v[2] += p.z;
+            v[3] += p.w;
+        }
+        had128(v, lane);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int c = (int)c0 + i;
+            if (c < rows) {
+                float o = __fmul_rn(v[i], svh[c]);
+                if (bias) o = __fadd_rn(o, bias[c]);
+                y[(long long)r * ldy + c] = o;
+            }
+        }
+    }
+    if (threadIdx.x == 0) counters[blockIdx.x] = 0u;
 }
 
-#define EXL3_MMA(name, MT)                                                                       \
-    extern "C" __global__ void __launch_bounds__(256)                                            \
-        name(const u32* __restrict__ trellis, const unsigned short* __restrict__ xh,             \
-             float* __restrict__ partial, int tiles_k, int tiles_n, int tk_per_split, int m) {  \
-        mma_rows<MT>(trellis, xh, partial, tiles_k, tiles_n, tk_per_split, m);                   \
+#define EXL3_MMA(name, MT, FULL)                                                                  \
+    extern "C" __global__ void __launch_bounds__(256)                                             \
+        name(const u32* __restrict__ trellis, const void* __restrict__ x, int x_bf16, int ldx,    \
+             int cols, const float* __restrict__ suh, const float* __restrict__ svh,              \
+             const float* __restrict__ bias, float* __restrict__ partial, u32* __restrict__ counters, \
+             float* __restrict__ y, int ldy, int rows, int tiles_k, int tiles_n, int tk_per_split, \
+             int m) {                                                                             \
+        mma_layer<MT, FULL>(trellis, x, x_bf16, ldx, cols, suh, svh, bias, partial, counters, y,  \
+                            ldy,                                                                  \
+                            rows, tiles_k, tiles_n, tk_per_split, m);                             \
     }
-EXL3_MMA(exl3_mma16, 1)
-EXL3_MMA(exl3_mma32, 2)
-EXL3_MMA(exl3_mma64, 4)
+EXL3_MMA(exl3_mma8, 1, false)
+EXL3_MMA(exl3_mma16, 1, true)
+EXL3_MMA(exl3_mma32, 2, true)
+EXL3_MMA(exl3_mma64, 4, true)
 
 // y[r][c] = H128(sum of the splits' partials of row r)[c] * svh[c] (+ bias[c]) for c < rows, the
 // m rows r = blockIdx.y; partial is [split][m][n], y has row stride ldy. One warp per 128
@@ -476,12 +578,22 @@ extern "C" __global__ void __launch_bounds__(256) exl3_dequant(const u32* __rest
         return (long long)(tk * 16 + row) * ld + tc * 16 + col;
     };
     if (w_f16) {
-        // The fp16 decoder (the tensor-core kernels' values).
+        // The fp16 decoder (the tensor-core kernels' values), through shared memory so the band's
+        // rows go out as whole 16-byte stores: a block writes 16 rows x 128 columns.
+        __shared__ __align__(16) unsigned short band[16][128 + 8];
         u32 h[4];
         decode8h(words, g.shift, h);
+        const int warp = threadIdx.x >> 5;
 #pragma unroll
-        for (int j = 0; j < 8; j++)
-            ((unsigned short*)w)[at(j)] = (unsigned short)(h[j >> 1] >> (16 * (j & 1)));
+        for (int j = 0; j < 8; j++) {
+            const int row = 2 * (lane & 3) + (j & 1) + 8 * ((j >> 1) & 1);
+            const int col = (lane >> 2) + 8 * (j >> 2);
+            band[row][16 * warp + col] = (unsigned short)(h[j >> 1] >> (16 * (j & 1)));
+        }
+        __syncthreads();
+        const int row = threadIdx.x >> 4, c8 = 8 * (threadIdx.x & 15);
+        *(uint4*)((unsigned short*)w + (long long)(tk * 16 + row) * ld + blockIdx.x * 128 + c8) =
+            *(const uint4*)&band[row][c8];
     } else {
         float v[8];
         decode8(words, g.shift, v);

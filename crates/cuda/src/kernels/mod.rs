@@ -99,6 +99,7 @@ pub const EXL3: KernelSource = KernelSource {
         "exl3_gemv2",
         "exl3_gemv4",
         "exl3_gemv8",
+        "exl3_mma8",
         "exl3_mma16",
         "exl3_mma32",
         "exl3_mma64",
