@@ -9,7 +9,7 @@ use std::sync::Arc;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use trellm_cuda::exl3::{Exl3Linear, Exl3Scratch, Regime, Rows, GEMM_MIN_ROWS};
+use trellm_cuda::exl3::{Exl3Kernels, Exl3Linear, Exl3Scratch, Regime, Rows, GEMM_MIN_ROWS};
 use trellm_cuda::{bench, Gpu};
 use trellm_model::weights::{Linear, LinearWeight, TensorSource, Weights};
 use trellm_model::ModelConfig;
@@ -571,7 +571,7 @@ fn timing() {
                 let h = host(k, n, k, n, cb, Bitrate::int(kb), 7);
                 let bytes = h.shape.trellis_bytes();
                 let copies = (400usize << 20).div_ceil(bytes).max(2);
-                let layers: Vec<Exl3Linear> = (0..copies).map(|_| h.upload(&gpu)).collect();
+                let mut layers: Vec<Exl3Linear> = (0..copies).map(|_| h.upload(&gpu)).collect();
                 let sweep = cb == Codebook::Mul1;
                 let most = if sweep {
                     *row_counts.last().unwrap()
@@ -621,6 +621,40 @@ fn timing() {
                             100.0 * gbs(full) * 1e9 / copy,
                             full * 1e3 / m as f64
                         ));
+                    }
+                }
+                // The tensor-core GEMV's register bound (MMA_MIN_BLOCKS blocks per SM), at K = 3.
+                if sweep && kb == 3 {
+                    for blocks in [3usize, 4, 5, 6] {
+                        let extra = [format!("MMA_MIN_BLOCKS={blocks}")];
+                        for l in layers.iter_mut() {
+                            l.set_kernels(
+                                Exl3Kernels::load_with(&gpu, cb, Bitrate::int(kb), &extra).unwrap(),
+                            );
+                        }
+                        for m in [1usize, 8, 16, 32] {
+                            let full = bench::time_ms(&gpu, 2, 7, || {
+                                for l in &layers {
+                                    l.forward_in(
+                                        &gpu,
+                                        &s,
+                                        Regime::Mma,
+                                        m,
+                                        rows_in(),
+                                        gpu.ptr(&y),
+                                        n,
+                                    )?;
+                                }
+                                Ok(())
+                            })
+                            .unwrap()
+                                / copies as f64;
+                            emit(format!(
+                                "{{\"codebook\": \"{cb:?}\", \"K\": {kb}, \"k\": {k}, \"n\": {n}, \"rows\": {m}, \"regime\": \"Mma\", \"min_blocks\": {blocks}, \"layer_us\": {:.2}, \"layer_pct_copy\": {:.1}}}",
+                                full * 1e3,
+                                100.0 * gbs(full) * 1e9 / copy,
+                            ));
+                        }
                     }
                 }
             }

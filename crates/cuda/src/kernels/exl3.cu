@@ -26,6 +26,10 @@
 // Tile rows of one step of the tensor-core GEMV (two steps in flight per warp). Its splits are
 // whole pairs of steps (exl3::mma_split: multiples of 8 tile rows).
 #define MMA_DEPTH 4
+// Blocks per SM the tensor-core GEMV's registers are bounded for (gpu_exl3::timing sweeps it).
+#ifndef MMA_MIN_BLOCKS
+#define MMA_MIN_BLOCKS 4
+#endif
 
 #define KA (EXL3_TWICE / 2)
 #define HALF_RATE (EXL3_TWICE & 1)
@@ -212,28 +216,43 @@ extern "C" __global__ void __launch_bounds__(128) exl3_in(const void* __restrict
     const int blk = blockIdx.x * 4 + (threadIdx.x >> 5);
     const long long r = blockIdx.y;
     if (blk * 128 >= k) return;
+    const int c0 = blk * 128 + 4 * lane;
+    const long long xo = r * ldx + c0;
     float v[4];
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const int c = blk * 128 + 4 * lane + i;
-        float xv = 0.0f;
-        if (c < cols) {
-            xv = x_bf16 ? bf2f(((const bf16*)x)[r * ldx + c]) : ((const float*)x)[r * ldx + c];
+    const void* xp = x_bf16 ? (const void*)((const bf16*)x + xo) : (const void*)((const float*)x + xo);
+    if (c0 + 3 < cols && ((u64)xp & (x_bf16 ? 7 : 15)) == 0) {
+        // Four inputs in one load.
+        if (x_bf16) {
+            const uint2 w = *(const uint2*)xp;
+            v[0] = bflo(w.x), v[1] = bfhi(w.x), v[2] = bflo(w.y), v[3] = bfhi(w.y);
+        } else {
+            const float4 w = *(const float4*)xp;
+            v[0] = w.x, v[1] = w.y, v[2] = w.z, v[3] = w.w;
         }
-        v[i] = c < cols ? __fmul_rn(xv, suh[c]) : 0.0f;
+        const float4 s = *(const float4*)(suh + c0);
+        v[0] = __fmul_rn(v[0], s.x), v[1] = __fmul_rn(v[1], s.y);
+        v[2] = __fmul_rn(v[2], s.z), v[3] = __fmul_rn(v[3], s.w);
+    } else {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int c = c0 + i;
+            float xv = 0.0f;
+            if (c < cols)
+                xv = x_bf16 ? bf2f(((const bf16*)x)[xo + i]) : ((const float*)x)[xo + i];
+            v[i] = c < cols ? __fmul_rn(xv, suh[c]) : 0.0f;
+        }
     }
     had128(v, lane);
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const long long o = r * k + blk * 128 + 4 * lane + i;
-        if (xh_f16) {
-            unsigned short hv;
-            const float cl = fminf(fmaxf(v[i], -65504.0f), 65504.0f);
-            asm("cvt.rn.f16.f32 %0, %1;" : "=h"(hv) : "f"(cl));
-            ((unsigned short*)xh)[o] = hv;
-        } else {
-            ((float*)xh)[o] = v[i];
-        }
+    const long long o = r * k + c0;
+    if (xh_f16) {
+        u32 h01, h23;
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(h01) : "f"(fminf(fmaxf(v[1], -65504.0f), 65504.0f)),
+            "f"(fminf(fmaxf(v[0], -65504.0f), 65504.0f)));
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(h23) : "f"(fminf(fmaxf(v[3], -65504.0f), 65504.0f)),
+            "f"(fminf(fmaxf(v[2], -65504.0f), 65504.0f)));
+        *(uint2*)((unsigned short*)xh + o) = make_uint2(h01, h23);
+    } else {
+        *(float4*)((float*)xh + o) = make_float4(v[0], v[1], v[2], v[3]);
     }
 }
 
@@ -508,7 +527,7 @@ __device__ __forceinline__ void mma_layer(const u32* __restrict__ trellis, const
 }
 
 #define EXL3_MMA(name, MT, FULL)                                                                  \
-    extern "C" __global__ void __launch_bounds__(256)                                             \
+    extern "C" __global__ void __launch_bounds__(256, MMA_MIN_BLOCKS)                             \
         name(const u32* __restrict__ trellis, const void* __restrict__ x, int x_bf16, int ldx,    \
              int cols, const float* __restrict__ suh, const float* __restrict__ svh,              \
              const float* __restrict__ bias, float* __restrict__ partial, u32* __restrict__ counters, \
@@ -546,13 +565,26 @@ extern "C" __global__ void __launch_bounds__(128) exl3_out(const float* __restri
         v[3] += p.w;
     }
     had128(v, lane);
+    const long long yo = r * ldy + c0;
+    if (c0 + 3 < rows && ((u64)(y + yo) & 15) == 0) {
+        // Four outputs in one store.
+        const float4 s = *(const float4*)(svh + c0);
+        float4 o = make_float4(__fmul_rn(v[0], s.x), __fmul_rn(v[1], s.y), __fmul_rn(v[2], s.z),
+                               __fmul_rn(v[3], s.w));
+        if (bias) {
+            o.x = __fadd_rn(o.x, bias[c0]), o.y = __fadd_rn(o.y, bias[c0 + 1]);
+            o.z = __fadd_rn(o.z, bias[c0 + 2]), o.w = __fadd_rn(o.w, bias[c0 + 3]);
+        }
+        *(float4*)(y + yo) = o;
+        return;
+    }
 #pragma unroll
     for (int i = 0; i < 4; i++) {
         const int c = c0 + i;
         if (c < rows) {
             float o = __fmul_rn(v[i], svh[c]);
             if (bias) o = __fadd_rn(o, bias[c]);
-            y[r * ldy + c] = o;
+            y[yo + i] = o;
         }
     }
 }
