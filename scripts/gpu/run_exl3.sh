@@ -23,6 +23,12 @@ t() { # name, timeout, test binary args...
 }
 t exl3_rows 120 $DEV/tests/gpu_exl3 --include-ignored --exact row_regimes_match_cpu --nocapture
 t cuda_vs_cpu_exl3 120 $DEV/tests/cuda_vs_cpu --include-ignored --exact exl3_folders_match_the_cpu_alone_and_batched --nocapture
+echo "== generate --device cuda on an EXL3 folder, against --device cpu  (t=${SECONDS}s)"
+for d in tests/fixtures/exl3/tiny-llama/*/; do
+    for dev in cpu cuda; do
+        echo "$(basename "$d") $dev $("$BIN" generate -M "$d" --prompt-ids 1,2,3,4,5 -m 16 --json -q --device $dev 2>&1 | cut -c1-300)"
+    done
+done | tee "$OUT/generate_exl3.txt"
 bench() { # label, extra flags
     local label=$1; shift
     echo "== bench 8b $label  (t=${SECONDS}s)"

@@ -108,8 +108,9 @@ impl Regime {
     }
 }
 
-/// fp16 elements of the decoded band the GEMM path multiplies at once (bounds its scratch: 64 MB).
-const BAND_ELEMS: usize = 32 << 20;
+/// fp16 elements of the decoded band the GEMM path multiplies at once (bounds its scratch: 128 MB;
+/// an 8B-shape layer's gate, up or down in one GEMM).
+const BAND_ELEMS: usize = 64 << 20;
 
 /// The kernels of one codebook x bitrate module.
 pub struct Exl3Kernels {
