@@ -89,6 +89,60 @@ pub fn matmul_tiles(
     }
 }
 
+/// One EXL3 layer by its parts (as [`matmul_tiles`] takes them).
+#[derive(Clone, Copy)]
+pub struct Layer<'a> {
+    pub shape: &'a Exl3Shape,
+    pub trellis: &'a [u8],
+    pub suh: &'a [f32],
+    pub svh: &'a [f32],
+}
+
+/// A gated MLP's gate and up projections in one pass: each task decodes and multiplies one
+/// 128-output band of both layers (the input rotated once per layer), rotates both bands back and
+/// applies `combine(gate_band_row, up_band_row)` there (the activation: `gate = act(gate) * up`),
+/// so `y` (`[rows][n]`) holds the combined result. Each band's arithmetic is that of
+/// [`matmul_tiles`], so `y` is bit-identical to two [`matmul_tiles`] calls and `combine` after.
+pub fn matmul_tiles_gated(
+    gate: Layer<'_>,
+    up: Layer<'_>,
+    x: &[f32],
+    n: usize,
+    y: &mut [f32],
+    combine: &(dyn Fn(&mut [f32], &[f32]) + Sync),
+) {
+    let (k, out) = (gate.shape.k, gate.shape.n);
+    assert!(
+        up.shape.k == k && up.shape.n == out,
+        "gate and up of different shapes"
+    );
+    assert_eq!(x.len(), n * k);
+    assert_eq!(y.len(), n * out);
+    let (xg, xu) = (rotate_inputs(k, gate.suh, x), rotate_inputs(k, up.suh, x));
+    const BAND: usize = BAND_OUT;
+    let mut bands = vec![0.0f32; n * out];
+    bands
+        .par_chunks_mut(n * BAND)
+        .enumerate()
+        .for_each(|(b, buf)| {
+            let (tn0, tn1) = (b * BAND / 16, (b + 1) * BAND / 16);
+            let mut ub = vec![0.0f32; n * BAND];
+            matmul_inner(gate.shape, gate.trellis, &xg, n, tn0, tn1, buf);
+            matmul_inner(up.shape, up.trellis, &xu, n, tn0, tn1, &mut ub);
+            let bs = b * BAND..(b + 1) * BAND;
+            for (g, u) in buf.chunks_mut(BAND).zip(ub.chunks_mut(BAND)) {
+                rotate_outputs(g, &gate.svh[bs.clone()]);
+                rotate_outputs(u, &up.svh[bs.clone()]);
+                combine(g, u);
+            }
+        });
+    for (b, buf) in bands.chunks(n * BAND).enumerate() {
+        for (t, r) in buf.chunks(BAND).enumerate() {
+            y[t * out + b * BAND..t * out + (b + 1) * BAND].copy_from_slice(r);
+        }
+    }
+}
+
 /// `W_inner[:, 128 b .. 128 b + 128]` decoded exactly (the codec's fp16 values as f32, tile
 /// by tile with the SIMD decoder) into `band`, row-major `[k][128]`.
 fn decode_band(shape: &Exl3Shape, trellis: &[u8], level: Level, b: usize, band: &mut [f32]) {

@@ -509,6 +509,59 @@ pub fn linear_batched(x: &[f32], seq_rows: &[usize], w: &LinearWeight, y: &mut [
     }
 }
 
+/// A gated MLP's `gate = act(gate(x)) * up(x)` in one pass over both EXL3 weights
+/// ([`exl3::matmul_tiles_gated`]), where that is the arithmetic [`linear_batched`] would do: both
+/// EXL3 layers of one shape and use, no biases, every sequence on the few-row path. Returns
+/// false, having written nothing, otherwise (the caller runs them apart).
+pub fn gated_exl3(
+    x: &[f32],
+    seq_rows: &[usize],
+    gate: &crate::model::weights::Linear,
+    up: &crate::model::weights::Linear,
+    act: Activation,
+    out: &mut [f32],
+) -> bool {
+    let (LinearWeight::Exl3(g), LinearWeight::Exl3(u)) = (&gate.w, &up.w) else {
+        return false;
+    };
+    let n: usize = seq_rows.iter().sum();
+    if gate.b.is_some()
+        || up.b.is_some()
+        || g.shape.k != u.shape.k
+        || g.shape.n != u.shape.n
+        || (g.rows, g.cols) != (u.rows, u.cols)
+        || seq_rows.iter().any(|&r| r >= exl3::GEMM_MIN_ROWS)
+        || n == 0
+    {
+        return false;
+    }
+    fn layer(e: &Exl3Matrix) -> exl3::Layer<'_> {
+        exl3::Layer {
+            shape: &e.shape,
+            trellis: e.trellis(),
+            suh: &e.suh,
+            svh: &e.svh,
+        }
+    }
+    let combine = |gb: &mut [f32], ub: &[f32]| gated_activation(act, gb, ub);
+    let (k, width) = (g.shape.k, g.shape.n);
+    if (g.cols, g.rows) == (k, width) {
+        exl3::matmul_tiles_gated(layer(g), layer(u), x, n, out, &combine);
+        return true;
+    }
+    // Padded to 128s: as exl3_matmul (the padded outputs are act(0) * 0 = 0, then dropped).
+    let mut xp = vec![0.0f32; n * k];
+    for (d, s) in xp.chunks_mut(k).zip(x.chunks(g.cols)) {
+        d[..g.cols].copy_from_slice(s);
+    }
+    let mut yp = vec![0.0f32; n * width];
+    exl3::matmul_tiles_gated(layer(g), layer(u), &xp, n, &mut yp, &combine);
+    for (d, s) in out.chunks_mut(g.rows).zip(yp.chunks(width)) {
+        d.copy_from_slice(&s[..g.rows]);
+    }
+    true
+}
+
 /// EXL3: `y = H(H(x * suh) W_inner) * svh`, for `n` activation rows: the tile kernels for
 /// few rows, decode-to-f32 + GEMM for many (`trellm_quant::exl3::matmul`).
 fn exl3_matmul(x: &[f32], n: usize, w: &Exl3Matrix, y: &mut [f32], many: bool) {

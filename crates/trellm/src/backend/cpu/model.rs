@@ -341,16 +341,26 @@ impl CpuModel {
                     residual(e, &lw.post_attn_norm, &mut st.x, &mut st.proj);
                 }
                 Op::MlpNorm(n) => pre_norm(st, n, &lw.ffn_norm),
-                Op::GateUp(g) => {
-                    linear(&st.xn, rows, &lw.up, &mut st.up);
-                    match (g.gated, &lw.gate) {
-                        (true, Some(gate)) => {
-                            linear(&st.xn, rows, gate, &mut st.gate);
-                            cpu::gated_activation(g.activation, &mut st.gate, &st.up);
-                        }
-                        _ => cpu::activation(g.activation, &st.up, &mut st.gate),
+                Op::GateUp(g) => match (g.gated, &lw.gate) {
+                    (true, Some(gate))
+                        if cpu::gated_exl3(
+                            &st.xn,
+                            rows,
+                            gate,
+                            &lw.up,
+                            g.activation,
+                            &mut st.gate,
+                        ) => {}
+                    (true, Some(gate)) => {
+                        linear(&st.xn, rows, &lw.up, &mut st.up);
+                        linear(&st.xn, rows, gate, &mut st.gate);
+                        cpu::gated_activation(g.activation, &mut st.gate, &st.up);
                     }
-                }
+                    _ => {
+                        linear(&st.xn, rows, &lw.up, &mut st.up);
+                        cpu::activation(g.activation, &st.up, &mut st.gate);
+                    }
+                },
                 Op::Down(e) => {
                     linear(&st.gate, rows, &lw.down, &mut st.proj);
                     residual(e, &lw.post_ffn_norm, &mut st.x, &mut st.proj);
