@@ -111,6 +111,39 @@ impl std::fmt::Debug for Exl3Matrix {
 }
 
 impl Exl3Matrix {
+    /// An EXL3 layer held in memory (an anonymous map), e.g. one the quantizer has just made;
+    /// `suh`/`svh` are the stored fp16 values as f32.
+    pub fn from_parts(
+        shape: Exl3Shape,
+        rows: usize,
+        cols: usize,
+        suh: Vec<f32>,
+        svh: Vec<f32>,
+        trellis: &[u8],
+    ) -> Result<Exl3Matrix> {
+        shape
+            .check_trellis(trellis)
+            .map_err(|e| anyhow!("in-memory EXL3 layer: {e}"))?;
+        if suh.len() != shape.k || svh.len() != shape.n || rows > shape.n || cols > shape.k {
+            bail!(
+                "in-memory EXL3 layer: scales or dims do not fit its {}x{} trellis",
+                shape.k,
+                shape.n
+            );
+        }
+        let mut map = memmap2::MmapMut::map_anon(trellis.len().max(1))?;
+        map[..trellis.len()].copy_from_slice(trellis);
+        Ok(Exl3Matrix {
+            shape,
+            rows,
+            cols,
+            suh,
+            svh,
+            map: Arc::new(map.make_read_only()?),
+            offset: 0,
+        })
+    }
+
     /// The stored trellis, int16 `[k/16][n/16][16 K]` as bytes.
     #[inline]
     pub fn trellis(&self) -> &[u8] {
@@ -310,17 +343,20 @@ fn st_type(name: &str, dtype: Dtype, dtype_name: &str) -> Result<GgmlType> {
 }
 
 /// A projection `y = W x (+ b)`.
+#[derive(Clone)]
 pub struct Linear {
     pub w: LinearWeight,
     pub b: Option<Vec<f32>>,
 }
 
 /// A norm's scale (the f32 value the reference multiplies by) and, for LayerNorm, its bias.
+#[derive(Clone)]
 pub struct NormWeights {
     pub w: Vec<f32>,
     pub b: Option<Vec<f32>>,
 }
 
+#[derive(Clone)]
 pub struct LayerWeights {
     pub attn_norm: Option<NormWeights>,
     pub q: Linear,
@@ -347,8 +383,8 @@ pub struct Weights {
 }
 
 /// The decoder's roles for a layer's tensors.
-#[derive(Clone, Copy)]
-enum Role {
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
     AttnNorm,
     Q,
     K,
@@ -385,7 +421,7 @@ fn gguf_name(role: Role, l: usize) -> String {
 
 /// Hugging Face names (without `.weight`/`.bias`). They follow from the layout: the fused
 /// matrices of phi3 are looked up by `fused_name`.
-fn hf_name(cfg: &ModelConfig, role: Role, l: usize) -> String {
+pub fn hf_name(cfg: &ModelConfig, role: Role, l: usize) -> String {
     let s = match role {
         Role::AttnNorm => "input_layernorm",
         Role::Q => "self_attn.q_proj",

@@ -58,6 +58,7 @@ pub mod cli;
 pub mod engine;
 pub mod eval;
 pub mod model;
+pub mod quantize;
 pub mod server;
 
 pub use backend::Device;

@@ -180,13 +180,15 @@ fn search_scale(tiles: &[[f32; 256]], bits: u32, cb: Codebook) -> f32 {
 }
 
 /// `H` (k x k, f64) made usable: `None` (identity) when it is missing, non-finite or empty,
-/// with a warning for the latter two. Damped by `sigma_reg` of its mean diagonal.
+/// with a warning for the latter two. Damped by `sigma_reg` of its mean diagonal. Also returns
+/// how many inputs have exactly zero second moment (padding to 128s, dead channels): their
+/// pivots sit at the damping floor by construction and say nothing about too little calibration.
 fn prepare_h(
     h: Option<&[f64]>,
     k: usize,
     sigma_reg: f64,
     warn: &mut Vec<String>,
-) -> Option<Vec<f64>> {
+) -> Option<(Vec<f64>, usize)> {
     let h = h?;
     let bad = h.iter().filter(|v| !v.is_finite()).count();
     if bad > 0 {
@@ -200,6 +202,7 @@ fn prepare_h(
         warn.push("H is zero (no calibration activations): quantizing without it".into());
         return None;
     }
+    let dead = (0..k).filter(|&i| h[i * k + i] == 0.0).count();
     let mut h = h.to_vec();
     // Symmetrise (accumulation order can leave it slightly off) and damp.
     for i in 0..k {
@@ -210,7 +213,7 @@ fn prepare_h(
         }
         h[i * k + i] += sigma_reg * mean_diag;
     }
-    Some(h)
+    Some((h, dead))
 }
 
 /// In-place lower Cholesky `H = L L^T` (f64); `Err(i)` at the first non-positive pivot.
@@ -247,6 +250,7 @@ fn cholesky(a: &mut [f64], k: usize) -> Result<(), usize> {
 fn block_ldl(
     mut h: Vec<f64>,
     k: usize,
+    dead: usize,
     sigma_reg: f64,
     warn: &mut Vec<String>,
 ) -> Option<Vec<f64>> {
@@ -274,9 +278,9 @@ fn block_ldl(
     let floor = (0..k)
         .filter(|&i| l[i * k + i] * l[i * k + i] < 2.0 * damp0.max(1e-300))
         .count();
-    if floor > k / 16 {
+    if floor > dead + k / 16 {
         warn.push(format!(
-            "H is (near) rank-deficient: {floor} of {k} pivots at the damping floor (too little calibration?)"
+            "H is (near) rank-deficient: {floor} of {k} pivots at the damping floor, {dead} inputs never active (too little calibration?)"
         ));
     }
     // L <- L blockdiag(L_jj)^-1, so the diagonal blocks become identities.
@@ -405,7 +409,8 @@ pub fn quantize_layer(
     let svh: Vec<f16> = sv.iter().map(|&v| f16::from_f32(v)).collect();
 
     // H in the inner frame: H S H_x S H.
-    let h_inner = h.map(|mut hx| {
+    let dead = h.as_ref().map_or(0, |h| h.1);
+    let h_inner = h.map(|(mut hx, _)| {
         let s: Vec<f64> = suh.iter().map(|v| v.to_f64()).collect();
         for i in 0..k {
             for j in 0..k {
@@ -419,7 +424,7 @@ pub fn quantize_layer(
     });
     let l = h_inner
         .as_ref()
-        .and_then(|hi| block_ldl(hi.clone(), k, opts.sigma_reg, &mut warnings));
+        .and_then(|hi| block_ldl(hi.clone(), k, dead, opts.sigma_reg, &mut warnings));
 
     let shape = Exl3Shape {
         k,

@@ -8,6 +8,7 @@ mod flags;
 mod generate;
 mod models;
 pub mod output;
+mod quantize;
 pub mod report;
 mod requests;
 mod serve;
@@ -47,6 +48,8 @@ pub enum Command {
     Bench(bench::BenchArgs),
     /// Perplexity of a text and KL divergence against a reference (llama-perplexity's method).
     Eval(eval::EvalArgs),
+    /// Quantize a model to EXL3 (trellis) on the CPU, calibrated on text; exllamav3 loads it too.
+    Quantize(quantize::QuantizeArgs),
     /// Download a known model (or a Hugging Face repo) into the cache; prints its path last.
     Pull {
         /// Alias (smollm2-135m-instruct, gemma-3-270m) or Hugging Face repo id.
@@ -196,6 +199,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Chat(a) => chat::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Eval(a) => eval::run(a),
+        Command::Quantize(a) => quantize::run(a),
         Command::Pull { model } => {
             let path = trellm_hub::pull(&model, true)?;
             output::print(&format!("{}\n", path.display()))?;

@@ -6,7 +6,7 @@
 
 use anyhow::{ensure, Result};
 use rayon::prelude::*;
-use trellm_model::plan::{LayerPlan, NormOp, Op, Plan, QkvEpilogue, ResidualEpilogue};
+use trellm_model::plan::{NormOp, Op, Plan, QkvEpilogue, ResidualEpilogue};
 use trellm_model::{Batch, ModelBackend};
 
 use crate::backend::cpu;
@@ -110,6 +110,19 @@ fn linear(x: &[f32], seq_rows: &[usize], l: &Linear, y: &mut [f32]) {
     }
 }
 
+/// The inputs a layer's linear projections read (shared where projections share one).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Tap {
+    /// The normed residual stream q, k and v read.
+    Qkv,
+    /// The attention output the output projection reads.
+    O,
+    /// The normed residual stream gate and up read.
+    GateUp,
+    /// The activation the down projection reads.
+    Down,
+}
+
 /// Activations of one step.
 struct Scratch {
     x: Vec<f32>,
@@ -205,7 +218,7 @@ impl CpuModel {
             .zip(&self.weights.layers)
             .enumerate()
         {
-            self.layer(l, lp, lw, batch, kv, &mut st);
+            self.layer(l, &lp.ops, lw, batch, kv, &mut st, &mut |_, _| {});
         }
 
         // The rows that want logits, sequence by sequence.
@@ -237,14 +250,17 @@ impl CpuModel {
         logits
     }
 
+    /// Runs `ops` (a layer's plan or a part of it), showing `tap` each linear layer's input.
+    #[allow(clippy::too_many_arguments)]
     fn layer(
         &self,
         l: usize,
-        plan: &LayerPlan,
+        ops: &[Op],
         lw: &LayerWeights,
         batch: &Batch,
         kv: &mut CpuKv,
         st: &mut Scratch,
+        tap: &mut (dyn FnMut(Tap, &[f32]) + Send),
     ) {
         let m = batch.tokens.len();
         let rows: Vec<usize> = batch.seqs.iter().map(|s| s.len).collect();
@@ -255,10 +271,11 @@ impl CpuModel {
                 norm_rows(&mut st.xn, w, *op);
             }
         };
-        for op in &plan.ops {
+        for op in ops {
             match op {
                 Op::AttnNorm(n) => pre_norm(st, n, &lw.attn_norm),
                 Op::Qkv(e) => {
+                    tap(Tap::Qkv, &st.xn);
                     linear(&st.xn, rows, &lw.q, &mut st.q);
                     linear(&st.xn, rows, &lw.k, &mut st.k);
                     linear(&st.xn, rows, &lw.v, &mut st.v);
@@ -337,31 +354,36 @@ impl CpuModel {
                     }
                 }
                 Op::Output(e) => {
+                    tap(Tap::O, &st.attn);
                     linear(&st.attn, rows, &lw.o, &mut st.proj);
                     residual(e, &lw.post_attn_norm, &mut st.x, &mut st.proj);
                 }
                 Op::MlpNorm(n) => pre_norm(st, n, &lw.ffn_norm),
-                Op::GateUp(g) => match (g.gated, &lw.gate) {
-                    (true, Some(gate))
-                        if cpu::gated_exl3(
-                            &st.xn,
-                            rows,
-                            gate,
-                            &lw.up,
-                            g.activation,
-                            &mut st.gate,
-                        ) => {}
-                    (true, Some(gate)) => {
-                        linear(&st.xn, rows, &lw.up, &mut st.up);
-                        linear(&st.xn, rows, gate, &mut st.gate);
-                        cpu::gated_activation(g.activation, &mut st.gate, &st.up);
+                Op::GateUp(g) => {
+                    tap(Tap::GateUp, &st.xn);
+                    match (g.gated, &lw.gate) {
+                        (true, Some(gate))
+                            if cpu::gated_exl3(
+                                &st.xn,
+                                rows,
+                                gate,
+                                &lw.up,
+                                g.activation,
+                                &mut st.gate,
+                            ) => {}
+                        (true, Some(gate)) => {
+                            linear(&st.xn, rows, &lw.up, &mut st.up);
+                            linear(&st.xn, rows, gate, &mut st.gate);
+                            cpu::gated_activation(g.activation, &mut st.gate, &st.up);
+                        }
+                        _ => {
+                            linear(&st.xn, rows, &lw.up, &mut st.up);
+                            cpu::activation(g.activation, &st.up, &mut st.gate);
+                        }
                     }
-                    _ => {
-                        linear(&st.xn, rows, &lw.up, &mut st.up);
-                        cpu::activation(g.activation, &st.up, &mut st.gate);
-                    }
-                },
+                }
                 Op::Down(e) => {
+                    tap(Tap::Down, &st.gate);
                     linear(&st.gate, rows, &lw.down, &mut st.proj);
                     residual(e, &lw.post_ffn_norm, &mut st.x, &mut st.proj);
                 }
@@ -660,6 +682,65 @@ fn attention_gemm(
         for (t, row) in o.chunks(hd).enumerate() {
             out[(t0 + t) * q_dim + head * hd..][..hd].copy_from_slice(row);
         }
+    }
+}
+
+impl CpuModel {
+    /// Runs `ops` (a layer's plan or a part of it) with weights `lw` over the hidden states `x`
+    /// (`[tokens][hidden]`) of one sequence at positions `0..tokens`, in place, showing `tap`
+    /// the input rows of each linear projection. The quantizer's calibration pass runs a model
+    /// this way, a half-layer (with weights it has just quantized) at a time; the keys and
+    /// values live in a cache of one layer made for the call.
+    pub fn forward_layer(
+        &self,
+        ops: &[Op],
+        lw: &LayerWeights,
+        x: &mut [f32],
+        tap: &mut (dyn FnMut(Tap, &[f32]) + Send),
+    ) -> Result<()> {
+        let cfg = &self.cfg;
+        let (h, m) = (cfg.hidden, x.len() / cfg.hidden.max(1));
+        ensure!(
+            m > 0 && x.len() == m * h,
+            "forward_layer: {} values for hidden size {h}",
+            x.len()
+        );
+        let bs = crate::backend::BLOCK_SIZE;
+        let n_blocks = m.div_ceil(bs);
+        let kv_dim = cfg.n_kv_heads * cfg.head_dim;
+        let mut kv = CpuKv {
+            block_size: bs,
+            kv_dim,
+            blocks: (0..n_blocks).map(|_| vec![0.0; 2 * bs * kv_dim]).collect(),
+        };
+        let mut batch = Batch::default();
+        // The token ids are never read (no embedding): only the count and positions matter.
+        batch.push(
+            &vec![0; m],
+            0,
+            (0..n_blocks as u32).collect(),
+            trellm_model::Want::None,
+        );
+        let q_dim = cfg.n_heads * cfg.head_dim;
+        let mut st = Scratch {
+            x: x.to_vec(),
+            xn: vec![0.0; m * h],
+            q: vec![0.0; m * q_dim],
+            k: vec![0.0; m * kv_dim],
+            v: vec![0.0; m * kv_dim],
+            attn: vec![0.0; m * q_dim],
+            proj: vec![0.0; m * h],
+            gate: vec![0.0; m * cfg.intermediate],
+            up: vec![0.0; m * cfg.intermediate],
+        };
+        cpu::pool().install(|| self.layer(0, ops, lw, &batch, &mut kv, &mut st, tap));
+        x.copy_from_slice(&st.x);
+        Ok(())
+    }
+
+    /// The final norm over rows of hidden states (`[tokens][hidden]`), in place: the head's input.
+    pub fn final_norm_rows(&self, x: &mut [f32]) {
+        cpu::pool().install(|| norm_rows(x, &self.weights.final_norm, self.plan.final_norm));
     }
 }
 

@@ -1,0 +1,132 @@
+//! `trellm quantize`: parse and check the flags, pick the calibration rows, run
+//! [`crate::quantize::quantize`].
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Result};
+use clap::Args;
+use trellm_quant::exl3::Codebook;
+
+use super::{flags, ModelArgs};
+use crate::quantize::{calibration, quantize, Calibration, Options};
+
+#[derive(Args, Debug)]
+pub struct QuantizeArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// The EXL3 folder to write (a run interrupted there resumes when started again).
+    #[arg(long, short = 'o')]
+    pub out: PathBuf,
+    /// Bits per weight of the decoder layers' projections: 1 to 8.
+    #[arg(long, short = 'b')]
+    pub bits: String,
+    /// Bits per weight of the output head (1 to 8), or `none` to keep it as stored.
+    #[arg(long, default_value = "6")]
+    pub head_bits: String,
+    /// Trellis codebook: mul1 (exllamav3's default), mcg or 3inst.
+    #[arg(long, default_value = "mul1")]
+    pub codebook: String,
+    /// Calibration text (UTF-8, used whole) [default: the first 40% of the lines of
+    /// ../shared/data/wikitext-2-raw-test.raw, lines 1-1156 of 2892 split on \n; evaluate on
+    /// the rest].
+    #[arg(long)]
+    pub calibration: Option<PathBuf>,
+    /// Calibration rows (0: no calibration, every H the identity). exllamav3's default.
+    #[arg(long, default_value_t = 100)]
+    pub calib_rows: usize,
+    /// Tokens per calibration row (at most the model's context). exllamav3's default.
+    #[arg(long, default_value_t = 2048)]
+    pub calib_cols: usize,
+    /// Largest safetensors shard in MB; bigger models are split into model-0000N-of-0000M
+    /// files. exllamav3's default.
+    #[arg(long, default_value_t = 8192.0)]
+    pub shard_size: f64,
+    /// Stop after this many layers with the checkpoint saved, as an interruption would (tests).
+    #[arg(long, hide = true)]
+    pub stop_after_layers: Option<usize>,
+    /// No progress bar or per-layer lines.
+    #[arg(long, short = 'q')]
+    pub quiet: bool,
+}
+
+/// Flag checks that need no model.
+fn options(a: &QuantizeArgs) -> Result<Options> {
+    let bits = match a.bits.trim().parse::<f64>() {
+        Ok(b) if (1.0..=8.0).contains(&b) && b.fract() == 0.0 => b as u32,
+        Ok(b) if (1.0..=8.0).contains(&b) => {
+            bail!("--bits {b}: only whole bits (1 to 8) are supported yet")
+        }
+        _ => bail!(
+            "--bits must be a number of bits from 1 to 8, got '{}'",
+            a.bits
+        ),
+    };
+    let head_bits = match a.head_bits.trim() {
+        "none" => None,
+        s => match s.parse::<u32>() {
+            Ok(b) if (1..=8).contains(&b) => Some(b),
+            _ => bail!("--head-bits must be 1 to 8 or none, got '{s}'"),
+        },
+    };
+    let codebook = match a.codebook.as_str() {
+        "mul1" => Codebook::Mul1,
+        "mcg" => Codebook::Mcg,
+        "3inst" => Codebook::Inst3,
+        o => bail!("--codebook must be mul1, mcg or 3inst, got '{o}'"),
+    };
+    if a.calib_rows > 0 && a.calib_cols < 2 {
+        bail!("--calib-cols must be at least 2");
+    }
+    flags::check_count("--calib-rows", a.calib_rows, 1 << 20)?;
+    if !(a.shard_size.is_finite() && a.shard_size > 0.0) {
+        bail!("--shard-size must be a positive number of MB");
+    }
+    Ok(Options {
+        bits,
+        head_bits,
+        codebook,
+        shard_bytes: (a.shard_size * (1u64 << 20) as f64) as u64,
+        stop_after: a.stop_after_layers,
+        quiet: a.quiet,
+    })
+}
+
+pub fn run(a: QuantizeArgs) -> Result<()> {
+    let opts = options(&a)?;
+    // The text is read before the model so a missing file fails at once.
+    let text = if a.calib_rows > 0 {
+        Some(calibration::text(a.calibration.as_deref())?)
+    } else {
+        None
+    };
+    let m = a.model.load()?;
+    let cal = match text {
+        None => Calibration {
+            rows: Vec::new(),
+            asked: (0, 0),
+            text: "none (H = identity)".into(),
+        },
+        Some(t) => {
+            let tok = m.tokenizer()?;
+            let ids = tok.encode(&t.text, false)?;
+            let cols = a.calib_cols.min(m.model.cfg.max_context.max(2));
+            let bos = if tok.add_bos() { tok.bos_id() } else { None };
+            let rows = calibration::rows(&ids, bos, a.calib_rows, cols);
+            if rows.len() < a.calib_rows && !a.quiet {
+                eprintln!(
+                    "trellm quantize: the calibration text gives {} rows of up to {cols} tokens ({} tokens), fewer than --calib-rows {}",
+                    rows.len(),
+                    ids.len(),
+                    a.calib_rows
+                );
+            }
+            Calibration {
+                rows,
+                asked: (a.calib_rows, cols),
+                text: t.describe,
+            }
+        }
+    };
+    quantize(&m, &a.out, &cal, &opts)?;
+    Ok(())
+}

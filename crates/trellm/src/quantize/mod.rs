@@ -1,0 +1,588 @@
+//! `trellm quantize`: a model becomes an EXL3 folder that exllamav3 and trellm load.
+//!
+//! The calibration rows run through the model's CPU decoder one half-layer at a time
+//! (attention, then MLP), as exllamav3 and GPTQ do: each half first runs with its source
+//! weights while [`calibration::Hessian`]s collect its projections' input rows (q/k/v share one,
+//! gate/up share one, o and down have their own), its projections are quantized
+//! ([`trellm_quant::exl3::quantize::quantize_layer`]: incoherence, LDLQ, the trellis search),
+//! and then the rows go on through the *quantized* half, so every later layer is calibrated
+//! against the errors the earlier ones really make. The head is quantized last, from the final
+//! normed rows. Each finished layer goes to a checkpoint in `OUT/.checkpoint/`, with the
+//! calibration state every so often, so an interrupted run resumes where it stopped.
+
+pub mod calibration;
+pub mod folder;
+
+use std::collections::HashMap;
+use std::io::IsTerminal;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use half::f16;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use serde_json::{json, Value};
+use trellm_quant::exl3::codebook::{MCG_MUL, MUL1_MUL};
+use trellm_quant::exl3::quantize::{quantize_layer, LayerOptions};
+use trellm_quant::exl3::Codebook;
+
+use crate::backend::cpu::model::Tap;
+use crate::backend::cpu::{self, CpuModel};
+use crate::model::load::LoadedModel;
+use crate::model::plan::Op;
+use crate::model::weights::{hf_name, Exl3Matrix, LayerWeights, Linear, LinearWeight, Role};
+use calibration::Hessian;
+use folder::{Checkpoint, Tensor};
+
+/// What to make.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Bits per weight of the decoder layers' projections, 1..=8.
+    pub bits: u32,
+    /// Bits per weight of the output head; `None` keeps it as stored.
+    pub head_bits: Option<u32>,
+    pub codebook: Codebook,
+    /// Shards above this many bytes (exllamav3's default: 8192 MB).
+    pub shard_bytes: u64,
+    /// Stop after this many layers with the checkpoint saved (as an interruption would).
+    pub stop_after: Option<usize>,
+    pub quiet: bool,
+}
+
+/// Token rows to calibrate with (none: H = identity, no calibration) and what they are.
+pub struct Calibration {
+    pub rows: Vec<Vec<u32>>,
+    /// The rows and columns asked for, and the text's description, for `config.json`.
+    pub asked: (usize, usize),
+    pub text: String,
+}
+
+/// What a run did.
+#[derive(Debug, Clone)]
+pub struct Summary {
+    /// Layers quantized by this run (fewer than the model's after a resume or a stop).
+    pub layers_done: usize,
+    pub finished: bool,
+    pub warnings: Vec<String>,
+    /// Bits per weight over the decoder layers' projections (padding to 128s counted), and
+    /// the bytes of the folder's weights.
+    pub decoder_bpw: f64,
+    pub bytes: u64,
+}
+
+/// How often the calibration state (all rows' hidden vectors, large) is saved to the
+/// checkpoint: a resumed run redoes at most this much work.
+const STATE_SAVE_INTERVAL: Duration = Duration::from_secs(60);
+
+/// A layer's projections in the order they are quantized, with the input each reads.
+const ATTN: [(Role, Tap); 4] = [
+    (Role::Q, Tap::Qkv),
+    (Role::K, Tap::Qkv),
+    (Role::V, Tap::Qkv),
+    (Role::O, Tap::O),
+];
+const MLP: [(Role, Tap); 3] = [
+    (Role::Gate, Tap::GateUp),
+    (Role::Up, Tap::GateUp),
+    (Role::Down, Tap::Down),
+];
+
+fn linear_of(lw: &LayerWeights, role: Role) -> Option<&Linear> {
+    match role {
+        Role::Q => Some(&lw.q),
+        Role::K => Some(&lw.k),
+        Role::V => Some(&lw.v),
+        Role::O => Some(&lw.o),
+        Role::Gate => lw.gate.as_ref(),
+        Role::Up => Some(&lw.up),
+        Role::Down => Some(&lw.down),
+        _ => None,
+    }
+}
+
+fn slot(lw: &mut LayerWeights, role: Role) -> Option<&mut Linear> {
+    match role {
+        Role::Q => Some(&mut lw.q),
+        Role::K => Some(&mut lw.k),
+        Role::V => Some(&mut lw.v),
+        Role::O => Some(&mut lw.o),
+        Role::Gate => lw.gate.as_mut(),
+        Role::Up => Some(&mut lw.up),
+        Role::Down => Some(&mut lw.down),
+        _ => None,
+    }
+}
+
+fn tap_name(t: Tap) -> &'static str {
+    match t {
+        Tap::Qkv => "q/k/v",
+        Tap::O => "o",
+        Tap::GateUp => "gate/up",
+        Tap::Down => "down",
+    }
+}
+
+/// A stable seed per tensor for its random signs.
+fn seed_of(name: &str) -> u64 {
+    name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+fn codebook_name(cb: Codebook) -> &'static str {
+    match cb {
+        Codebook::Mul1 => "mul1",
+        Codebook::Mcg => "mcg",
+        Codebook::Inst3 => "3inst",
+    }
+}
+
+/// One projection quantized: the layer the decoder runs and the tensors the folder stores.
+struct Quantized {
+    linear: Linear,
+    tensors: Vec<Tensor>,
+    proxy_err: f64,
+}
+
+/// Quantizes the projection `src` (stored as `base`) at `bits`, weighing errors by `h`.
+fn quantize_linear(
+    base: &str,
+    src: &Linear,
+    h: Option<&Hessian>,
+    bits: u32,
+    cb: Codebook,
+    warnings: &mut Vec<String>,
+) -> Result<Quantized> {
+    let LinearWeight::Ggml(m) = &src.w else {
+        bail!("{base} is already EXL3");
+    };
+    let (rows, cols) = (m.rows, m.cols);
+    // HF stores [out][in]; the quantizer takes [in][out], zero-padded to 128s as exllamav3
+    // pads (the reader keeps the model's dims and ignores the padding).
+    let (k, n) = (cols.next_multiple_of(128), rows.next_multiple_of(128));
+    let mut wt = vec![0.0f32; k * n];
+    let mut row = vec![0.0f32; cols];
+    for r in 0..rows {
+        m.dequantize_row(r, &mut row);
+        for (c, &v) in row.iter().enumerate() {
+            wt[c * n + r] = v;
+        }
+    }
+    let hp = h.filter(|h| h.rows > 0).map(|h| h.padded(k));
+    let mut opts = LayerOptions::new(bits, cb);
+    opts.seed = seed_of(base);
+    let q = cpu::pool()
+        .install(|| quantize_layer(&wt, k, n, hp.as_deref(), &opts))
+        .with_context(|| base.to_string())?;
+    warnings.extend(q.warnings.iter().map(|w| format!("{base}: {w}")));
+    let f16_bytes = |v: &[f16]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+    let mut tensors = vec![
+        Tensor {
+            name: format!("{base}.trellis"),
+            dtype: "I16".into(),
+            shape: vec![k / 16, n / 16, 16 * bits as usize],
+            bytes: q.trellis.clone(),
+        },
+        Tensor {
+            name: format!("{base}.suh"),
+            dtype: "F16".into(),
+            shape: vec![k],
+            bytes: f16_bytes(&q.suh),
+        },
+        Tensor {
+            name: format!("{base}.svh"),
+            dtype: "F16".into(),
+            shape: vec![n],
+            bytes: f16_bytes(&q.svh),
+        },
+    ];
+    let marker = match cb {
+        Codebook::Mul1 => Some(MUL1_MUL),
+        Codebook::Mcg => Some(MCG_MUL),
+        Codebook::Inst3 => None,
+    };
+    if let Some(mul) = marker {
+        tensors.push(Tensor {
+            name: format!("{base}.{}", codebook_name(cb)),
+            dtype: "I32".into(),
+            shape: vec![],
+            bytes: mul.to_le_bytes().to_vec(),
+        });
+    }
+    let to_f32 = |v: &[f16]| v.iter().map(|x| x.to_f32()).collect::<Vec<f32>>();
+    let e = Exl3Matrix::from_parts(
+        q.shape,
+        rows,
+        cols,
+        to_f32(&q.suh),
+        to_f32(&q.svh),
+        &q.trellis,
+    )?;
+    Ok(Quantized {
+        linear: Linear {
+            w: LinearWeight::Exl3(e),
+            b: src.b.clone(),
+        },
+        tensors,
+        proxy_err: q.proxy_err,
+    })
+}
+
+/// Tiles of a projection of `rows x cols` once padded (the encoder's unit of work).
+fn tiles(rows: usize, cols: usize) -> u64 {
+    (rows.next_multiple_of(128) * cols.next_multiple_of(128) / 256) as u64
+}
+
+/// Refuses what this quantizer cannot make into an EXL3 folder, with the reason.
+fn check_source(m: &LoadedModel) -> Result<()> {
+    let cfg = &m.model.cfg;
+    if cfg.exl3 {
+        bail!(
+            "{} is already an EXL3 folder; quantize its source model",
+            m.path.display()
+        );
+    }
+    if !(m.path.is_dir() && m.path.join("config.json").is_file()) {
+        bail!(
+            "{}: trellm quantize reads Hugging Face folders (config.json + safetensors) for now; \
+             a GGUF source is not supported yet",
+            m.path.display()
+        );
+    }
+    for (l, ops) in m.model.plan.layers.iter().enumerate() {
+        if mlp_start(&ops.ops).is_none() {
+            bail!("layer {l}: its plan has no MLP after the attention; this family cannot be quantized");
+        }
+    }
+    Ok(())
+}
+
+/// Where a layer's MLP half starts in its plan.
+fn mlp_start(ops: &[Op]) -> Option<usize> {
+    ops.iter().position(|o| matches!(o, Op::MlpNorm(_)))
+}
+
+/// The job a checkpoint belongs to: a resumed run must make the same folder.
+fn job(m: &LoadedModel, opts: &Options, cal: &Calibration) -> Value {
+    let hash = cal
+        .rows
+        .iter()
+        .flatten()
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, &t| {
+            (h ^ t as u64).wrapping_mul(0x0100_0000_01b3)
+        });
+    let src = m.path.canonicalize().unwrap_or_else(|_| m.path.clone());
+    json!({
+        "source": src.display().to_string(),
+        "bits": opts.bits,
+        "head_bits": opts.head_bits,
+        "codebook": codebook_name(opts.codebook),
+        "calibration_rows": cal.rows.len(),
+        "calibration_tokens": cal.rows.iter().map(Vec::len).sum::<usize>(),
+        "calibration_hash": format!("{hash:016x}"),
+        "trellm": env!("CARGO_PKG_VERSION"),
+    })
+}
+
+fn progress(total: u64, quiet: bool) -> ProgressBar {
+    let pb = ProgressBar::new(total);
+    if quiet || !std::io::stderr().is_terminal() {
+        pb.set_draw_target(ProgressDrawTarget::hidden());
+    }
+    pb.set_style(
+        ProgressStyle::with_template(
+            "{elapsed_precise} [{bar:30}] {percent:>3}% ETA {eta_precise} {msg}",
+        )
+        .expect("a valid template")
+        .progress_chars("=> "),
+    );
+    pb
+}
+
+/// Quantizes `m` (a Hugging Face folder) into `out`, or resumes an interrupted run there.
+pub fn quantize(m: &LoadedModel, out: &Path, cal: &Calibration, opts: &Options) -> Result<Summary> {
+    check_source(m)?;
+    if !(1..=8).contains(&opts.bits) {
+        bail!("--bits must be 1..8, got {}", opts.bits);
+    }
+    if let Some(b) = opts.head_bits.filter(|b| !(1..=8).contains(b)) {
+        bail!("--head-bits must be 1..8 or none, got {b}");
+    }
+    let model: &CpuModel = &m.model;
+    let cfg = &model.cfg;
+    let (hidden, n_layers) = (cfg.hidden, cfg.n_layers());
+    let src_st = trellm_formats::safetensors::SafeTensors::open(&m.path)
+        .with_context(|| m.path.display().to_string())?;
+    std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
+    let ck = Checkpoint::new(out);
+    let job = job(m, opts, cal);
+    let resumed = ck.resume(&job, hidden)?;
+    ck.begin(&job)?;
+
+    let layer_tiles = |l: usize| -> u64 {
+        let lw = &model.weights.layers[l];
+        ATTN.iter()
+            .chain(&MLP)
+            .filter_map(|(r, _)| linear_of(lw, *r).map(|x| tiles(x.w.rows(), x.w.cols())))
+            .sum()
+    };
+    let head_tiles = opts.head_bits.map_or(0, |_| tiles(cfg.vocab, hidden));
+    let total: u64 = (0..n_layers).map(layer_tiles).sum::<u64>() + head_tiles;
+    let pb = progress(total, opts.quiet);
+    let say = |s: String| {
+        if !opts.quiet {
+            pb.suspend(|| eprintln!("{s}"));
+        }
+    };
+    let mut warnings = Vec::new();
+    let warn = |w: String, warnings: &mut Vec<String>| {
+        say(format!("warning: {w}"));
+        warnings.push(w);
+    };
+
+    // The rows entering the first layer still to do.
+    let (start, mut state) = match resumed {
+        Some((l, s)) => {
+            say(format!(
+                "trellm quantize: resuming at layer {l} of {n_layers} from {}",
+                ck.dir.display()
+            ));
+            (l, s)
+        }
+        None => {
+            let rows = cal
+                .rows
+                .iter()
+                .map(|r| {
+                    let mut x = vec![0.0f32; r.len() * hidden];
+                    for (t, &id) in r.iter().enumerate() {
+                        let row = &mut x[t * hidden..(t + 1) * hidden];
+                        model.weights.embed.dequantize_row(id as usize, row);
+                        if let Some(s) = model.plan.embed_scale {
+                            row.iter_mut().for_each(|v| *v *= s);
+                        }
+                    }
+                    x
+                })
+                .collect();
+            (0, rows)
+        }
+    };
+    pb.set_position((0..start).map(layer_tiles).sum());
+    let tokens: usize = state.iter().map(|r| r.len() / hidden).sum();
+    say(format!(
+        "trellm quantize: {} -> {}: {n_layers} layers at {} bpw ({}), head {}, calibration {} rows / {tokens} tokens",
+        m.path.display(),
+        out.display(),
+        opts.bits,
+        codebook_name(opts.codebook),
+        opts.head_bits.map_or("as stored".to_string(), |b| format!("{b} bpw")),
+        state.len(),
+    ));
+
+    let t0 = Instant::now();
+    let mut last_save = Instant::now();
+    let mut layers_done = 0;
+    for l in start..n_layers {
+        let tl = Instant::now();
+        let ops = &model.plan.layers[l].ops;
+        let split = mlp_start(ops).expect("checked");
+        let src = &model.weights.layers[l];
+        let mut qlw = src.clone();
+        let mut tensors = Vec::new();
+        let mut worst = 0.0f64;
+        for (half, roles) in [(&ops[..split], &ATTN[..]), (&ops[split..], &MLP[..])] {
+            // Inputs seen with this half's source weights (the earlier ones quantized).
+            let mut hs: HashMap<Tap, Hessian> = HashMap::new();
+            for row in &state {
+                let mut x = row.clone();
+                let n = row.len() / hidden;
+                model.forward_layer(half, &qlw, &mut x, &mut |tap, input| {
+                    hs.entry(tap)
+                        .or_insert_with(|| Hessian::new(input.len() / n))
+                        .add(input);
+                })?;
+            }
+            for (tap, h) in &hs {
+                if h.skipped > 0 {
+                    warn(
+                        format!(
+                            "layer {l} {} input: {} of {} rows held inf/NaN and were left out of H",
+                            tap_name(*tap),
+                            h.skipped,
+                            h.rows + h.skipped
+                        ),
+                        &mut warnings,
+                    );
+                }
+            }
+            for &(role, tap) in roles {
+                let Some(lin) = slot(&mut qlw, role) else {
+                    continue;
+                };
+                let base = hf_name(cfg, role, l);
+                pb.set_message(base.clone());
+                let mut w = Vec::new();
+                let q =
+                    quantize_linear(&base, lin, hs.get(&tap), opts.bits, opts.codebook, &mut w)?;
+                for w in w {
+                    warn(w, &mut warnings);
+                }
+                pb.inc(tiles(lin.w.rows(), lin.w.cols()));
+                worst = worst.max(q.proxy_err);
+                *lin = q.linear;
+                tensors.extend(q.tensors);
+            }
+            // On through the quantized half.
+            for row in &mut state {
+                model.forward_layer(half, &qlw, row, &mut |_, _| {})?;
+            }
+        }
+        folder::write_safetensors(&ck.layer_file(l), &tensors.iter().collect::<Vec<_>>())?;
+        layers_done += 1;
+        say(format!(
+            "layer {}/{n_layers}: worst proxy error {worst:.5}, {:.1}s",
+            l + 1,
+            tl.elapsed().as_secs_f64()
+        ));
+        let stop = opts.stop_after.is_some_and(|s| layers_done >= s);
+        if stop || last_save.elapsed() >= STATE_SAVE_INTERVAL {
+            ck.save_state(&job, l + 1, &state, hidden)?;
+            last_save = Instant::now();
+        }
+        if stop && l + 1 < n_layers {
+            pb.finish_and_clear();
+            say(format!(
+                "stopped after layer {} (checkpoint in {}); run the same command again to resume",
+                l + 1,
+                ck.dir.display()
+            ));
+            return Ok(Summary {
+                layers_done,
+                finished: false,
+                warnings,
+                decoder_bpw: 0.0,
+                bytes: 0,
+            });
+        }
+    }
+
+    let mut head = Vec::new();
+    if let Some(bits) = opts.head_bits {
+        pb.set_message("lm_head");
+        let mut h = Hessian::new(hidden);
+        for row in &mut state {
+            model.final_norm_rows(row);
+            h.add(row);
+        }
+        if h.skipped > 0 {
+            warn(
+                format!(
+                    "head input: {} rows held inf/NaN and were left out of H",
+                    h.skipped
+                ),
+                &mut warnings,
+            );
+        }
+        let lin = Linear {
+            w: model.weights.lm_head.clone(),
+            b: None,
+        };
+        let mut w = Vec::new();
+        let q = quantize_linear("lm_head", &lin, Some(&h), bits, opts.codebook, &mut w)?;
+        for w in w {
+            warn(w, &mut warnings);
+        }
+        head = q.tensors;
+        pb.inc(head_tiles);
+    }
+    pb.finish_and_clear();
+
+    // The folder: the source's other tensors as stored, the quantized layers, the head.
+    let mut consumed: std::collections::HashSet<String> = std::collections::HashSet::new();
+    for l in 0..n_layers {
+        for (role, _) in ATTN.iter().chain(&MLP) {
+            consumed.insert(format!("{}.weight", hf_name(cfg, *role, l)));
+        }
+        consumed.insert(format!("model.layers.{l}.self_attn.qkv_proj.weight"));
+        consumed.insert(format!("model.layers.{l}.mlp.gate_up_proj.weight"));
+    }
+    if opts.head_bits.is_some() {
+        consumed.insert("lm_head.weight".into());
+    }
+    let mut all: Vec<Tensor> = src_st
+        .tensors
+        .values()
+        .filter(|t| !consumed.contains(&t.name))
+        .map(|t| Tensor {
+            name: t.name.clone(),
+            dtype: t.dtype_name.clone(),
+            shape: t.shape.clone(),
+            bytes: src_st.data(t).to_vec(),
+        })
+        .collect();
+    let (mut q_bits, mut q_weights) = (0u64, 0u64);
+    for l in 0..n_layers {
+        for t in folder::read_safetensors(&ck.layer_file(l))? {
+            if t.name.ends_with(".trellis") {
+                q_bits += t.bytes.len() as u64 * 8;
+                q_weights += (t.shape[0] * t.shape[1] * 256) as u64;
+            }
+            all.push(t);
+        }
+    }
+    all.extend(head);
+    let bytes = folder::write_model(out, &all, opts.shard_bytes)?;
+
+    let mut config: Value = trellm_formats::hf::read_config(&m.path)?;
+    let qc = json!({
+        "quant_method": "exl3",
+        "version": format!("trellm {}", env!("CARGO_PKG_VERSION")),
+        "bits": opts.bits as f64,
+        "head_bits": opts.head_bits.map_or(Value::Null, |b| json!(b)),
+        "calibration": {
+            "rows": cal.asked.0,
+            "cols": cal.asked.1,
+            "rows_used": cal.rows.len(),
+            "tokens": cal.rows.iter().map(Vec::len).sum::<usize>(),
+            "text": cal.text,
+        },
+        "out_scales": "always",
+        "codebook": codebook_name(opts.codebook),
+    });
+    // The head is stored beside the embedding: a loader that trusts the flag must see them
+    // untied (exllamav3 does the same).
+    if opts.head_bits.is_some() && config.get("tie_word_embeddings").is_some() {
+        config["tie_word_embeddings"] = json!(false);
+    }
+    config["quantization_config"] = qc.clone();
+    std::fs::write(
+        out.join("config.json"),
+        serde_json::to_string_pretty(&config)?,
+    )?;
+    std::fs::write(
+        out.join("quantization_config.json"),
+        serde_json::to_string_pretty(&folder::quantization_config_json(&qc, &all))?,
+    )?;
+    folder::copy_side_files(&m.path, out)?;
+    ck.remove()?;
+    let decoder_bpw = q_bits as f64 / q_weights.max(1) as f64;
+    say(format!(
+        "done: {} layers in {:.0}s, {decoder_bpw:.2} bpw over the decoder projections, {:.1} MB of weights{}",
+        layers_done,
+        t0.elapsed().as_secs_f64(),
+        bytes as f64 / 1e6,
+        if warnings.is_empty() {
+            String::new()
+        } else {
+            format!(", {} warnings", warnings.len())
+        }
+    ));
+    Ok(Summary {
+        layers_done,
+        finished: true,
+        warnings,
+        decoder_bpw,
+        bytes,
+    })
+}
