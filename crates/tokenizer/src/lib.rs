@@ -237,6 +237,16 @@ impl Tokenizer {
             .render_json(messages, tools, add_generation_prompt, extra)
     }
 
+    /// This tokenizer as a Hugging Face `tokenizer.json`, where the `tokenizers` crate runs it
+    /// (a GGUF's BPE vocabulary, say, exported into a model folder); `None` for SentencePiece
+    /// vocabularies, which trellm runs with its own twin.
+    pub fn to_hf_json(&self) -> Option<String> {
+        match &self.backend {
+            Backend::Hf { tok, .. } => tok.to_string(false).ok(),
+            Backend::Spm(_) => None,
+        }
+    }
+
     /// The model's BOS token, if it has one (whether or not `encode` adds it: see [`Self::add_bos`]).
     pub fn bos_id(&self) -> Option<u32> {
         self.bos

@@ -179,16 +179,51 @@ fn search_scale(tiles: &[[f32; 256]], bits: u32, cb: Codebook) -> f32 {
     (c + offset * STEP).max(0.01)
 }
 
+/// How many inputs of `H` (k x k, positive semi-definite) add a direction the earlier ones do
+/// not span: a Cholesky that passes over pivots below `RANK_TOL` of their own diagonal (all of
+/// an input's variance explained by the inputs before it) instead of failing on them.
+fn numerical_rank(h: &[f64], k: usize) -> usize {
+    const RANK_TOL: f64 = 1e-6;
+    let mut a = h.to_vec();
+    let mut rank = 0;
+    for j in 0..k {
+        let mut d = a[j * k + j];
+        for p in 0..j {
+            d -= a[j * k + p] * a[j * k + p];
+        }
+        let (head, tail) = a.split_at_mut((j + 1) * k);
+        let row_j = &mut head[j * k..j * k + j + 1];
+        if d.is_nan() || d <= RANK_TOL * h[j * k + j] {
+            // A direction already spanned (or a dead input): it takes no part in later pivots.
+            row_j.fill(0.0);
+            tail.par_chunks_mut(k).for_each(|r| r[j] = 0.0);
+            continue;
+        }
+        rank += 1;
+        let d = d.sqrt();
+        row_j[j] = d;
+        let row_j = &head[j * k..j * k + j];
+        tail.par_chunks_mut(k).for_each(|row_i| {
+            let mut s = row_i[j];
+            for p in 0..j {
+                s -= row_i[p] * row_j[p];
+            }
+            row_i[j] = s / d;
+        });
+    }
+    rank
+}
+
 /// `H` (k x k, f64) made usable: `None` (identity) when it is missing, non-finite or empty,
-/// with a warning for the latter two. Damped by `sigma_reg` of its mean diagonal. Also returns
-/// how many inputs have exactly zero second moment (padding to 128s, dead channels): their
-/// pivots sit at the damping floor by construction and say nothing about too little calibration.
+/// with a warning for the latter two, and a warning when it is rank-deficient (fewer
+/// independent calibration rows than active inputs; inputs with exactly zero second moment,
+/// such as the padding to 128s, are not counted). Damped by `sigma_reg` of its mean diagonal.
 fn prepare_h(
     h: Option<&[f64]>,
     k: usize,
     sigma_reg: f64,
     warn: &mut Vec<String>,
-) -> Option<(Vec<f64>, usize)> {
+) -> Option<Vec<f64>> {
     let h = h?;
     let bad = h.iter().filter(|v| !v.is_finite()).count();
     if bad > 0 {
@@ -202,7 +237,13 @@ fn prepare_h(
         warn.push("H is zero (no calibration activations): quantizing without it".into());
         return None;
     }
-    let dead = (0..k).filter(|&i| h[i * k + i] == 0.0).count();
+    let active = (0..k).filter(|&i| h[i * k + i] != 0.0).count();
+    let rank = numerical_rank(h, k);
+    if rank < active {
+        warn.push(format!(
+            "H is rank-deficient: rank {rank} of {active} active inputs (too little calibration?); damping fills the rest"
+        ));
+    }
     let mut h = h.to_vec();
     // Symmetrise (accumulation order can leave it slightly off) and damp.
     for i in 0..k {
@@ -213,7 +254,7 @@ fn prepare_h(
         }
         h[i * k + i] += sigma_reg * mean_diag;
     }
-    Some((h, dead))
+    Some(h)
 }
 
 /// In-place lower Cholesky `H = L L^T` (f64); `Err(i)` at the first non-positive pivot.
@@ -250,12 +291,10 @@ fn cholesky(a: &mut [f64], k: usize) -> Result<(), usize> {
 fn block_ldl(
     mut h: Vec<f64>,
     k: usize,
-    dead: usize,
     sigma_reg: f64,
     warn: &mut Vec<String>,
 ) -> Option<Vec<f64>> {
     let mean_diag = (0..k).map(|i| h[i * k + i]).sum::<f64>() / k as f64;
-    let damp0 = sigma_reg * mean_diag;
     let mut l = h.clone();
     let mut tries = 0;
     while let Err(at) = cholesky(&mut l, k) {
@@ -273,15 +312,6 @@ fn block_ldl(
     }
     if tries > 0 {
         warn.push(format!("H factored after {tries} extra dampings"));
-    }
-    // Pivots at the damping floor mean directions the calibration never excited.
-    let floor = (0..k)
-        .filter(|&i| l[i * k + i] * l[i * k + i] < 2.0 * damp0.max(1e-300))
-        .count();
-    if floor > dead + k / 16 {
-        warn.push(format!(
-            "H is (near) rank-deficient: {floor} of {k} pivots at the damping floor, {dead} inputs never active (too little calibration?)"
-        ));
     }
     // L <- L blockdiag(L_jj)^-1, so the diagonal blocks become identities.
     let mut inv = vec![0.0f64; 256];
@@ -409,8 +439,7 @@ pub fn quantize_layer(
     let svh: Vec<f16> = sv.iter().map(|&v| f16::from_f32(v)).collect();
 
     // H in the inner frame: H S H_x S H.
-    let dead = h.as_ref().map_or(0, |h| h.1);
-    let h_inner = h.map(|(mut hx, _)| {
+    let h_inner = h.map(|mut hx| {
         let s: Vec<f64> = suh.iter().map(|v| v.to_f64()).collect();
         for i in 0..k {
             for j in 0..k {
@@ -424,7 +453,7 @@ pub fn quantize_layer(
     });
     let l = h_inner
         .as_ref()
-        .and_then(|hi| block_ldl(hi.clone(), k, dead, opts.sigma_reg, &mut warnings));
+        .and_then(|hi| block_ldl(hi.clone(), k, opts.sigma_reg, &mut warnings));
 
     let shape = Exl3Shape {
         k,

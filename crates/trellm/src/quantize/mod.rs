@@ -12,6 +12,7 @@
 
 pub mod calibration;
 pub mod folder;
+mod gguf_source;
 
 use std::collections::HashMap;
 use std::io::IsTerminal;
@@ -244,8 +245,7 @@ fn check_source(m: &LoadedModel) -> Result<()> {
     }
     if !(m.path.is_dir() && m.path.join("config.json").is_file()) {
         bail!(
-            "{}: trellm quantize reads Hugging Face folders (config.json + safetensors) for now; \
-             a GGUF source is not supported yet",
+            "{}: trellm quantize reads Hugging Face folders (config.json + safetensors) and llama GGUFs",
             m.path.display()
         );
     }
@@ -263,7 +263,7 @@ fn mlp_start(ops: &[Op]) -> Option<usize> {
 }
 
 /// The job a checkpoint belongs to: a resumed run must make the same folder.
-fn job(m: &LoadedModel, opts: &Options, cal: &Calibration) -> Value {
+fn job(origin: &str, opts: &Options, cal: &Calibration) -> Value {
     let hash = cal
         .rows
         .iter()
@@ -271,9 +271,8 @@ fn job(m: &LoadedModel, opts: &Options, cal: &Calibration) -> Value {
         .fold(0xcbf2_9ce4_8422_2325u64, |h, &t| {
             (h ^ t as u64).wrapping_mul(0x0100_0000_01b3)
         });
-    let src = m.path.canonicalize().unwrap_or_else(|_| m.path.clone());
     json!({
-        "source": src.display().to_string(),
+        "source": origin,
         "bits": opts.bits,
         "head_bits": opts.head_bits,
         "codebook": codebook_name(opts.codebook),
@@ -299,8 +298,60 @@ fn progress(total: u64, quiet: bool) -> ProgressBar {
     pb
 }
 
-/// Quantizes `m` (a Hugging Face folder) into `out`, or resumes an interrupted run there.
+/// A source's identity for the checkpoint: its path, and for a file its size and time.
+fn origin(path: &Path) -> String {
+    let p = path.canonicalize().unwrap_or_else(|_| path.to_path_buf());
+    match std::fs::metadata(&p) {
+        Ok(md) if md.is_file() => format!(
+            "{} ({} bytes, modified {:?})",
+            p.display(),
+            md.len(),
+            md.modified().ok()
+        ),
+        _ => p.display().to_string(),
+    }
+}
+
+/// Quantizes `m` (a Hugging Face folder, or a llama GGUF dequantized exactly into one in
+/// `OUT/.source/` first) into `out`, or resumes an interrupted run there.
 pub fn quantize(m: &LoadedModel, out: &Path, cal: &Calibration, opts: &Options) -> Result<Summary> {
+    let origin = origin(&m.path);
+    if !m.path.is_file() {
+        return quantize_hf(m, &origin, out, cal, opts, None);
+    }
+    if m.model.cfg.exl3 {
+        bail!("{} is already EXL3", m.path.display());
+    }
+    let dir = out.join(".source");
+    // A conversion left by another source is redone.
+    let marker = dir.join("source");
+    if std::fs::read_to_string(&marker).ok().as_deref() != Some(origin.as_str()) {
+        if dir.exists() {
+            std::fs::remove_dir_all(&dir)
+                .with_context(|| format!("cannot clear {}", dir.display()))?;
+        }
+        gguf_source::to_hf_folder(m, &dir)?;
+        if !opts.quiet {
+            eprintln!(
+                "trellm quantize: {} dequantized exactly into {}",
+                m.path.display(),
+                dir.display()
+            );
+        }
+        std::fs::write(&marker, &origin)?;
+    }
+    let hf = crate::model::load::load(&dir)?;
+    quantize_hf(&hf, &origin, out, cal, opts, Some(&dir))
+}
+
+fn quantize_hf(
+    m: &LoadedModel,
+    origin: &str,
+    out: &Path,
+    cal: &Calibration,
+    opts: &Options,
+    converted: Option<&Path>,
+) -> Result<Summary> {
     check_source(m)?;
     if !(1..=8).contains(&opts.bits) {
         bail!("--bits must be 1..8, got {}", opts.bits);
@@ -315,7 +366,7 @@ pub fn quantize(m: &LoadedModel, out: &Path, cal: &Calibration, opts: &Options) 
         .with_context(|| m.path.display().to_string())?;
     std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
     let ck = Checkpoint::new(out);
-    let job = job(m, opts, cal);
+    let job = job(origin, opts, cal);
     let resumed = ck.resume(&job, hidden)?;
     ck.begin(&job)?;
 
@@ -566,6 +617,9 @@ pub fn quantize(m: &LoadedModel, out: &Path, cal: &Calibration, opts: &Options) 
     )?;
     folder::copy_side_files(&m.path, out)?;
     ck.remove()?;
+    if let Some(dir) = converted {
+        std::fs::remove_dir_all(dir).with_context(|| format!("cannot remove {}", dir.display()))?;
+    }
     let decoder_bpw = q_bits as f64 / q_weights.max(1) as f64;
     say(format!(
         "done: {} layers in {:.0}s, {decoder_bpw:.2} bpw over the decoder projections, {:.1} MB of weights{}",
