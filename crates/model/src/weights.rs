@@ -383,7 +383,7 @@ pub struct Weights {
 }
 
 /// The decoder's roles for a layer's tensors.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Role {
     AttnNorm,
     Q,

@@ -17,7 +17,8 @@ pub struct QuantizeArgs {
     /// The EXL3 folder to write (a run interrupted there resumes when started again).
     #[arg(long, short = 'o')]
     pub out: PathBuf,
-    /// Bits per weight of the decoder layers' projections: 1 to 8.
+    /// Bits per weight of the decoder layers' projections, 1 to 8; a fraction (2.5) is met on
+    /// average by giving some projections of each layer one bit more.
     #[arg(long, short = 'b')]
     pub bits: String,
     /// Bits per weight of the output head (1 to 8), or `none` to keep it as stored.
@@ -52,10 +53,7 @@ pub struct QuantizeArgs {
 /// Flag checks that need no model.
 fn options(a: &QuantizeArgs) -> Result<Options> {
     let bits = match a.bits.trim().parse::<f64>() {
-        Ok(b) if (1.0..=8.0).contains(&b) && b.fract() == 0.0 => b as u32,
-        Ok(b) if (1.0..=8.0).contains(&b) => {
-            bail!("--bits {b}: only whole bits (1 to 8) are supported yet")
-        }
+        Ok(b) if (1.0..=8.0).contains(&b) => b,
         _ => bail!(
             "--bits must be a number of bits from 1 to 8, got '{}'",
             a.bits

@@ -38,8 +38,9 @@ use folder::{Checkpoint, Tensor};
 /// What to make.
 #[derive(Debug, Clone)]
 pub struct Options {
-    /// Bits per weight of the decoder layers' projections, 1..=8.
-    pub bits: u32,
+    /// Bits per weight of the decoder layers' projections on average, 1 to 8: a fractional
+    /// target is met by giving some projections the next whole number of bits ([`allocate`]).
+    pub bits: f64,
     /// Bits per weight of the output head; `None` keeps it as stored.
     pub head_bits: Option<u32>,
     pub codebook: Codebook,
@@ -65,9 +66,11 @@ pub struct Summary {
     pub layers_done: usize,
     pub finished: bool,
     pub warnings: Vec<String>,
-    /// Bits per weight over the decoder layers' projections (padding to 128s counted), and
-    /// the bytes of the folder's weights.
+    /// Bits per weight of the decoder layers' trellises over their stored (padded) weights;
+    /// of everything they store (scales too) over the model's own weights; the bytes of the
+    /// folder's weights.
     pub decoder_bpw: f64,
+    pub model_bpw: f64,
     pub bytes: u64,
 }
 
@@ -229,6 +232,49 @@ fn quantize_linear(
     })
 }
 
+/// The order in which a layer's projections get the extra bit of a fractional target: the
+/// small attention projections whose errors reach every later token (v, o, k) first, then the
+/// MLP's down projection, which writes to the residual stream, then the rest.
+const UPGRADE_ORDER: [Role; 7] = [
+    Role::V,
+    Role::O,
+    Role::K,
+    Role::Down,
+    Role::Q,
+    Role::Up,
+    Role::Gate,
+];
+
+/// Whole bits per projection (`layers[l]`: each projection's role and size in tiles) so the
+/// average over the stored (padded) weights is `bits`: every projection gets `floor(bits)`,
+/// and in each layer some get one more, in [`UPGRADE_ORDER`], while the running total stays
+/// within the target; what a layer leaves unspent carries to the next, so the model's average
+/// lands on the target within one projection's worth.
+pub fn allocate(bits: f64, layers: &[Vec<(Role, u64)>]) -> Vec<HashMap<Role, u32>> {
+    let base = bits.floor().clamp(1.0, 8.0) as u32;
+    let extra = bits - base as f64;
+    let mut surplus = 0.0f64;
+    layers
+        .iter()
+        .map(|projs| {
+            let mut out: HashMap<Role, u32> = projs.iter().map(|&(r, _)| (r, base)).collect();
+            if base < 8 && extra > 0.0 {
+                let mut budget = surplus + extra * projs.iter().map(|p| p.1).sum::<u64>() as f64;
+                for role in UPGRADE_ORDER {
+                    if let Some(&(_, t)) = projs.iter().find(|p| p.0 == role) {
+                        if t as f64 <= budget {
+                            budget -= t as f64;
+                            out.insert(role, base + 1);
+                        }
+                    }
+                }
+                surplus = budget;
+            }
+            out
+        })
+        .collect()
+}
+
 /// Tiles of a projection of `rows x cols` once padded (the encoder's unit of work).
 fn tiles(rows: usize, cols: usize) -> u64 {
     (rows.next_multiple_of(128) * cols.next_multiple_of(128) / 256) as u64
@@ -353,8 +399,8 @@ fn quantize_hf(
     converted: Option<&Path>,
 ) -> Result<Summary> {
     check_source(m)?;
-    if !(1..=8).contains(&opts.bits) {
-        bail!("--bits must be 1..8, got {}", opts.bits);
+    if !(1.0..=8.0).contains(&opts.bits) {
+        bail!("--bits must be 1 to 8, got {}", opts.bits);
     }
     if let Some(b) = opts.head_bits.filter(|b| !(1..=8).contains(b)) {
         bail!("--head-bits must be 1..8 or none, got {b}");
@@ -377,6 +423,20 @@ fn quantize_hf(
             .filter_map(|(r, _)| linear_of(lw, *r).map(|x| tiles(x.w.rows(), x.w.cols())))
             .sum()
     };
+    let bit_plan = allocate(
+        opts.bits,
+        &(0..n_layers)
+            .map(|l| {
+                ATTN.iter()
+                    .chain(&MLP)
+                    .filter_map(|(r, _)| {
+                        linear_of(&model.weights.layers[l], *r)
+                            .map(|x| (*r, tiles(x.w.rows(), x.w.cols())))
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .collect::<Vec<_>>(),
+    );
     let head_tiles = opts.head_bits.map_or(0, |_| tiles(cfg.vocab, hidden));
     let total: u64 = (0..n_layers).map(layer_tiles).sum::<u64>() + head_tiles;
     let pb = progress(total, opts.quiet);
@@ -434,7 +494,7 @@ fn quantize_hf(
     let t0 = Instant::now();
     let mut last_save = Instant::now();
     let mut layers_done = 0;
-    for l in start..n_layers {
+    for (l, layer_bits) in bit_plan.iter().enumerate().skip(start) {
         let tl = Instant::now();
         let ops = &model.plan.layers[l].ops;
         let split = mlp_start(ops).expect("checked");
@@ -474,8 +534,8 @@ fn quantize_hf(
                 let base = hf_name(cfg, role, l);
                 pb.set_message(base.clone());
                 let mut w = Vec::new();
-                let q =
-                    quantize_linear(&base, lin, hs.get(&tap), opts.bits, opts.codebook, &mut w)?;
+                let bits = layer_bits[&role];
+                let q = quantize_linear(&base, lin, hs.get(&tap), bits, opts.codebook, &mut w)?;
                 for w in w {
                     warn(w, &mut warnings);
                 }
@@ -513,6 +573,7 @@ fn quantize_hf(
                 finished: false,
                 warnings,
                 decoder_bpw: 0.0,
+                model_bpw: 0.0,
                 bytes: 0,
             });
         }
@@ -572,16 +633,31 @@ fn quantize_hf(
             bytes: src_st.data(t).to_vec(),
         })
         .collect();
-    let (mut q_bits, mut q_weights) = (0u64, 0u64);
+    // Bits per weight two ways: the trellis over the stored (padded) weights, which the
+    // allocation targets, and everything a layer stores (scales included) over the model's own
+    // weights, which is what comparisons with other formats count.
+    let (mut trellis_bits, mut padded, mut stored_bits) = (0u64, 0u64, 0u64);
     for l in 0..n_layers {
         for t in folder::read_safetensors(&ck.layer_file(l))? {
             if t.name.ends_with(".trellis") {
-                q_bits += t.bytes.len() as u64 * 8;
-                q_weights += (t.shape[0] * t.shape[1] * 256) as u64;
+                trellis_bits += t.bytes.len() as u64 * 8;
+                padded += (t.shape[0] * t.shape[1] * 256) as u64;
             }
+            stored_bits += t.bytes.len() as u64 * 8;
             all.push(t);
         }
     }
+    let weights: u64 = model
+        .weights
+        .layers
+        .iter()
+        .flat_map(|lw| {
+            ATTN.iter()
+                .chain(&MLP)
+                .filter_map(|(r, _)| linear_of(lw, *r))
+        })
+        .map(|x| (x.w.rows() * x.w.cols()) as u64)
+        .sum();
     all.extend(head);
     let bytes = folder::write_model(out, &all, opts.shard_bytes)?;
 
@@ -589,7 +665,7 @@ fn quantize_hf(
     let qc = json!({
         "quant_method": "exl3",
         "version": format!("trellm {}", env!("CARGO_PKG_VERSION")),
-        "bits": opts.bits as f64,
+        "bits": opts.bits,
         "head_bits": opts.head_bits.map_or(Value::Null, |b| json!(b)),
         "calibration": {
             "rows": cal.asked.0,
@@ -620,9 +696,10 @@ fn quantize_hf(
     if let Some(dir) = converted {
         std::fs::remove_dir_all(dir).with_context(|| format!("cannot remove {}", dir.display()))?;
     }
-    let decoder_bpw = q_bits as f64 / q_weights.max(1) as f64;
+    let decoder_bpw = trellis_bits as f64 / padded.max(1) as f64;
+    let model_bpw = stored_bits as f64 / weights.max(1) as f64;
     say(format!(
-        "done: {} layers in {:.0}s, {decoder_bpw:.2} bpw over the decoder projections, {:.1} MB of weights{}",
+        "done: {} layers in {:.0}s, {decoder_bpw:.3} bpw over the decoder projections as stored ({model_bpw:.3} with scales and padding over the model's {weights} weights), {:.1} MB of weights{}",
         layers_done,
         t0.elapsed().as_secs_f64(),
         bytes as f64 / 1e6,
@@ -637,6 +714,56 @@ fn quantize_hf(
         finished: true,
         warnings,
         decoder_bpw,
+        model_bpw,
         bytes,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// SmolLM2's layer shapes in tiles (q, k, v, o, gate, up, down; padded to 128s).
+    fn smollm2_layer() -> Vec<(Role, u64)> {
+        vec![
+            (Role::Q, 1600),
+            (Role::K, 640),
+            (Role::V, 640),
+            (Role::O, 1600),
+            (Role::Gate, 3840),
+            (Role::Up, 3840),
+            (Role::Down, 3840),
+        ]
+    }
+
+    #[test]
+    fn fractional_bits_average_to_the_target() {
+        let layers = vec![smollm2_layer(); 30];
+        let total: u64 = layers.iter().flatten().map(|p| p.1).sum();
+        for target in [1.5, 2.0, 2.25, 2.5, 3.05, 3.5, 4.0, 7.9, 8.0] {
+            let plan = allocate(target, &layers);
+            let bits: u64 = plan
+                .iter()
+                .zip(&layers)
+                .flat_map(|(p, l)| l.iter().map(move |(r, t)| p[r] as u64 * t))
+                .sum();
+            let avg = bits as f64 / total as f64;
+            // Below the target by at most one projection's worth of the last layer.
+            assert!(avg <= target + 1e-12, "{target}: {avg}");
+            assert!(
+                target - avg < 3840.0 / total as f64 + 1e-12,
+                "{target}: {avg}"
+            );
+            let lo = target.floor() as u32;
+            assert!(plan
+                .iter()
+                .flat_map(|p| p.values())
+                .all(|&b| b == lo || b == lo + 1));
+        }
+        // Whole targets give every projection the same bits.
+        assert!(allocate(3.0, &layers)
+            .iter()
+            .flat_map(|p| p.values())
+            .all(|&b| b == 3));
+    }
 }
