@@ -2,15 +2,17 @@
 //!
 //! A layer is uploaded compressed ([`Exl3Linear`]: the trellis words as stored, `suh`/`svh` and the
 //! bias as f32), so device memory is about the file's size. [`Exl3Linear::forward`] runs
-//! `y = H(H(x * suh) W_inner) * svh + bias` for `m` rows in one of two regimes:
-//! - up to [`GEMM_MIN_ROWS`]` - 1` rows, the exact path: the input Hadamard (f32), the trellis
-//!   decoded in registers once for up to 8 rows with f32 partial sums over a split of the tile
-//!   rows, and the output Hadamard with the scales. The CPU twin is
-//!   `trellm_quant::exl3::matmul::matmul_tiles`;
-//! - more rows (prefill, large batches): the input Hadamard rounded to fp16, `W_inner` decoded to
-//!   fp16 (exactly: every codebook value is an fp16) in bands of columns, a tensor-core GEMM with
-//!   f32 accumulation (cuBLAS), then the output Hadamard. Its one rounding beyond the exact path is
-//!   the activations' to fp16, as exllamav3 computes throughout.
+//! `y = H(H(x * suh) W_inner) * svh + bias` for `m` rows in the [`Regime`] for `m`:
+//! - up to [`MMA_ROWS`] rows (decode, batches): one launch on tensor cores, both Hadamards inside,
+//!   each tile decoded once in registers into the mma B operand (the codebook's exact fp16
+//!   values), fp16 activations, f32 accumulation;
+//! - more rows (prefill): the input Hadamard rounded to fp16, `W_inner` decoded to fp16 (exactly:
+//!   every codebook value is an fp16) in bands, a cuBLAS tensor-core GEMM with f32 accumulation,
+//!   then the output Hadamard.
+//!
+//! Their one rounding beyond the exact path is the activations' to fp16, as exllamav3 computes
+//! throughout. The exact path ([`Regime::Gemv`]: f32 activations, one row a launch) is the twin
+//! they are tested against; its CPU twin is `trellm_quant::exl3::matmul::matmul_tiles`.
 
 use anyhow::{anyhow, bail, ensure, Result};
 use cudarc::cublas::sys as bsys;
@@ -75,9 +77,6 @@ pub fn variant_defines(v: &str) -> Vec<String> {
     v.split(',').map(str::to_string).collect()
 }
 
-/// Most rows one trellis GEMV launch takes (its widest instantiation, `exl3_gemv8`).
-pub const GEMV_ROWS: usize = 8;
-
 /// Most rows the tensor-core GEMV takes (its widest instantiation, `exl3_mma64`).
 pub const MMA_ROWS: usize = 64;
 
@@ -87,8 +86,8 @@ pub const GEMM_MIN_ROWS: usize = MMA_ROWS + 1;
 /// How a layer runs its rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Regime {
-    /// The exact trellis GEMV (f32 activations), up to [`GEMV_ROWS`] rows a launch: the twin the
-    /// others are tested against.
+    /// The exact trellis GEMV (f32 activations), one row a launch: the twin the others are tested
+    /// against.
     Gemv,
     /// The tensor-core GEMV: each tile decoded once to fp16 in registers as the mma B operand,
     /// fp16 activations, f32 accumulation; up to [`MMA_ROWS`] rows.
@@ -115,8 +114,8 @@ const BAND_ELEMS: usize = 64 << 20;
 /// The kernels of one codebook x bitrate module.
 pub struct Exl3Kernels {
     pub input: CudaFunction,
-    /// The GEMV for up to 1, 2, 4 and 8 rows.
-    pub gemv: [CudaFunction; 4],
+    /// The exact one-row GEMV.
+    pub gemv: CudaFunction,
     /// The tensor-core GEMV for up to 8, 16, 32 and 64 rows.
     pub mma: [CudaFunction; 4],
     pub output: CudaFunction,
@@ -141,12 +140,7 @@ impl Exl3Kernels {
         let f = |name: &str| gpu.function(src, &d, name);
         Ok(Exl3Kernels {
             input: f("exl3_in")?,
-            gemv: [
-                f("exl3_gemv")?,
-                f("exl3_gemv2")?,
-                f("exl3_gemv4")?,
-                f("exl3_gemv8")?,
-            ],
+            gemv: f("exl3_gemv")?,
             mma: [
                 f("exl3_mma8")?,
                 f("exl3_mma16")?,
@@ -217,9 +211,8 @@ impl Exl3Scratch {
         let (mut xh, mut partial, mut xh16, mut band, mut yg, mut bands) = (1, 1, 1, 1, 1, 1);
         for &(l, rows) in layers {
             let (k, n) = (l.shape.k, l.shape.n);
-            let gemv_rows = rows.clamp(1, GEMV_ROWS);
-            xh = xh.max(gemv_rows * k);
-            partial = partial.max(l.split(gpu.sm_count, BLOCKS_PER_SM).0 * gemv_rows * n);
+            xh = xh.max(k);
+            partial = partial.max(l.split(gpu.sm_count, BLOCKS_PER_SM).0 * n);
             bands = bands.max(n / 128);
             for mma_rows in 1..=rows.clamp(1, MMA_ROWS) {
                 let splits = mma_split(&l.shape, gpu.sm_count, mma_rows).0;
@@ -492,24 +485,14 @@ impl Exl3Linear {
             }
             Regime::Gemv => {}
         }
-        let mut r = 0;
-        while r < m {
-            let g = (m - r).min(GEMV_ROWS);
-            self.gemv_rows(
-                gpu,
-                s,
-                g,
-                x.offset(r),
-                y + (4 * r * ldy) as u64,
-                ldy,
-                BLOCKS_PER_SM,
-            )?;
-            r += g;
+        for r in 0..m {
+            let y = y + (4 * r * ldy) as u64;
+            self.gemv_rows(gpu, s, 1, x.offset(r), y, ldy, BLOCKS_PER_SM)?;
         }
         Ok(())
     }
 
-    /// The exact path for `m <= GEMV_ROWS` rows.
+    /// The exact path for `m` (one) rows.
     #[allow(clippy::too_many_arguments)]
     fn gemv_rows(
         &self,
@@ -524,9 +507,7 @@ impl Exl3Linear {
         let (k, n) = (self.shape.k, self.shape.n);
         let (splits, per) = self.split(gpu.sm_count, blocks_per_sm);
         ensure!(
-            (1..=GEMV_ROWS).contains(&m)
-                && s.xh.len() >= m * k
-                && s.partial.len() >= splits * m * n,
+            m == 1 && s.xh.len() >= m * k && s.partial.len() >= splits * m * n,
             "EXL3 scratch too small for {m} rows of {k}x{n}"
         );
         let (xh, partial) = (gpu.ptr(&s.xh), gpu.ptr(&s.partial));
@@ -688,7 +669,7 @@ impl Exl3Linear {
         self.launch_inner_rows(gpu, 1, xh, partial, splits, per)
     }
 
-    /// The trellis kernel alone for `m <= GEMV_ROWS` rows: `partial[split][row][n]`.
+    /// The trellis kernel alone for `m` (one) rows: `partial[split][row][n]`.
     pub fn launch_inner_rows(
         &self,
         gpu: &Gpu,
@@ -703,13 +684,8 @@ impl Exl3Linear {
             "a split of {splits} x {per} tile rows does not cover {}",
             self.shape.tiles_k()
         );
-        let f = match m {
-            1 => &self.k.gemv[0],
-            2 => &self.k.gemv[1],
-            3 | 4 => &self.k.gemv[2],
-            5..=GEMV_ROWS => &self.k.gemv[3],
-            _ => bail!("the trellis GEMV takes 1..={GEMV_ROWS} rows, not {m}"),
-        };
+        ensure!(m == 1, "the exact trellis GEMV takes one row, not {m}");
+        let f = &self.k.gemv;
         gpu.launch(
             f,
             ((self.shape.n / 128) as u32, splits as u32, 1),

@@ -444,9 +444,8 @@ fn gpu_rows(
         .collect()
 }
 
-/// Every row regime against the CPU matmul at row counts across the kernels' instantiations (1,
-/// 2, 4, 8 rows of the GEMV, 16, 32, 64 of the tensor-core GEMV, the remainders) and beyond: the
-/// exact GEMV bit for bit as the one-row GEMV (each row's sum in the same order) and within f32
+/// Every row regime against the CPU matmul at row counts across the tensor-core kernels'
+/// instantiations (8, 16, 32, 64 rows, the remainders) and beyond: the exact GEMV within f32
 /// tolerance of the CPU; the tensor-core GEMV and the GEMM within the tolerance of their fp16
 /// activations (relative L2 1e-3: fp16 keeps 11 bits, so about 3e-4 is expected).
 #[test]
@@ -472,18 +471,6 @@ fn row_regimes_match_cpu() {
             let what = format!("{} m={m}", label(&h));
             let bf16 = j % 2 == 0;
             let gemv = gpu_rows(&gpu, &h, &l, &x, m, bf16, Regime::Gemv);
-            for r in 0..m {
-                let one = gpu_rows(&gpu, &h, &l, &x[r * cols..][..cols], 1, !bf16, Regime::Gemv);
-                if one
-                    .iter()
-                    .zip(&gemv[r * rows..][..rows])
-                    .any(|(a, b)| a.to_bits() != b.to_bits())
-                {
-                    failures.push(format!(
-                        "{what}: GEMV row {r} differs from the same row alone"
-                    ));
-                }
-            }
             if let Err(e) = check_close(&gemv, &want, &format!("{what} GEMV")) {
                 failures.push(e);
             }

@@ -332,10 +332,9 @@ __device__ __forceinline__ void gemv_rows(const u32* __restrict__ trellis,
              float* __restrict__ partial, int tiles_k, int tiles_n, int tk_per_split, int m) { \
         gemv_rows<R>(trellis, xh, partial, tiles_k, tiles_n, tk_per_split, m);                  \
     }
+// One row: the exact twin. Its 2-, 4- and 8-row instantiations measured slower than the
+// tensor-core kernel at every row count (98 against 36 us at 8 rows, 4096x14336) and were deleted.
 EXL3_GEMV(exl3_gemv, 1)
-EXL3_GEMV(exl3_gemv2, 2)
-EXL3_GEMV(exl3_gemv4, 4)
-EXL3_GEMV(exl3_gemv8, 8)
 
 // fp16 halves of the rotated input a tensor-core GEMV block holds (rows x (its split's inputs +
 // 8)).
@@ -526,8 +525,8 @@ __device__ __forceinline__ void mma_layer(const u32* __restrict__ trellis, const
     if (threadIdx.x == 0) counters[blockIdx.x] = 0u;
 }
 
-#define EXL3_MMA(name, MT, FULL)                                                                  \
-    extern "C" __global__ void __launch_bounds__(256, MMA_MIN_BLOCKS)                             \
+#define EXL3_MMA(name, MT, FULL, MIN_BLOCKS)                                                      \
+    extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS)                                 \
         name(const u32* __restrict__ trellis, const void* __restrict__ x, int x_bf16, int ldx,    \
              int cols, const float* __restrict__ suh, const float* __restrict__ svh,              \
              const float* __restrict__ bias, float* __restrict__ partial, u32* __restrict__ counters, \
@@ -537,10 +536,12 @@ __device__ __forceinline__ void mma_layer(const u32* __restrict__ trellis, const
                             ldy,                                                                  \
                             rows, tiles_k, tiles_n, tk_per_split, m);                             \
     }
-EXL3_MMA(exl3_mma8, 1, false)
-EXL3_MMA(exl3_mma16, 1, true)
-EXL3_MMA(exl3_mma32, 2, true)
-EXL3_MMA(exl3_mma64, 4, true)
+// The one-tile kernels bounded for MMA_MIN_BLOCKS blocks per SM; the wider ones' accumulators
+// need more registers than that leaves (they would spill).
+EXL3_MMA(exl3_mma8, 1, false, MMA_MIN_BLOCKS)
+EXL3_MMA(exl3_mma16, 1, true, MMA_MIN_BLOCKS)
+EXL3_MMA(exl3_mma32, 2, true, 1)
+EXL3_MMA(exl3_mma64, 4, true, 1)
 
 // y[r][c] = H128(sum of the splits' partials of row r)[c] * svh[c] (+ bias[c]) for c < rows, the
 // m rows r = blockIdx.y; partial is [split][m][n], y has row stride ldy. One warp per 128

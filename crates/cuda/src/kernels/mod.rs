@@ -96,9 +96,6 @@ pub const EXL3: KernelSource = KernelSource {
     functions: &[
         "exl3_in",
         "exl3_gemv",
-        "exl3_gemv2",
-        "exl3_gemv4",
-        "exl3_gemv8",
         "exl3_mma8",
         "exl3_mma16",
         "exl3_mma32",

@@ -20,6 +20,26 @@ pub enum Codebook {
     Mul1,
 }
 
+impl Codebook {
+    /// Every codebook by the name exllamav3's `quantization_config` gives it.
+    pub const ALL: [(Codebook, &'static str); 3] = [
+        (Codebook::Mul1, "mul1"),
+        (Codebook::Mcg, "mcg"),
+        (Codebook::Inst3, "3inst"),
+    ];
+
+    /// exllamav3's name for it (`mul1`, `mcg`, `3inst`).
+    pub fn name(self) -> &'static str {
+        Self::ALL.iter().find(|(c, _)| *c == self).unwrap().1
+    }
+
+    /// The codebook of a name (case-insensitive), if it is one.
+    pub fn from_name(s: &str) -> Option<Codebook> {
+        let s = s.to_ascii_lowercase();
+        Self::ALL.iter().find(|(_, n)| *n == s).map(|(c, _)| *c)
+    }
+}
+
 const MASK: u32 = 0x8FFF_8FFF;
 const XOR: u32 = 0x3B60_3B60;
 pub const INST3_MUL: u32 = 89_226_354;

@@ -64,12 +64,8 @@ fn parse_exl3(s: &str) -> Result<Exl3Spec, String> {
     let (cb, bits) = s
         .split_once(':')
         .ok_or_else(|| format!("'{s}': expected CODEBOOK:BITS, e.g. mul1:3"))?;
-    let codebook = match cb.to_ascii_lowercase().as_str() {
-        "mul1" => Codebook::Mul1,
-        "mcg" => Codebook::Mcg,
-        "3inst" => Codebook::Inst3,
-        _ => return Err(format!("unknown codebook '{cb}' (mul1, mcg, 3inst)")),
-    };
+    let codebook = Codebook::from_name(cb)
+        .ok_or_else(|| format!("unknown codebook '{cb}' (mul1, mcg, 3inst)"))?;
     let bad = || format!("'{bits}' bits: 1..8 or 1.5, 2.5, 3.5");
     let b: f32 = bits.parse().map_err(|_| bad())?;
     let twice = b * 2.0;

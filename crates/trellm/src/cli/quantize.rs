@@ -66,11 +66,11 @@ fn options(a: &QuantizeArgs) -> Result<Options> {
             _ => bail!("--head-bits must be 1 to 8 or none, got '{s}'"),
         },
     };
-    let codebook = match a.codebook.as_str() {
-        "mul1" => Codebook::Mul1,
-        "mcg" => Codebook::Mcg,
-        "3inst" => Codebook::Inst3,
-        o => bail!("--codebook must be mul1, mcg or 3inst, got '{o}'"),
+    let Some(codebook) = Codebook::from_name(&a.codebook) else {
+        bail!(
+            "--codebook must be mul1, mcg or 3inst, got '{}'",
+            a.codebook
+        );
     };
     if a.calib_rows > 0 && a.calib_cols < 2 {
         bail!("--calib-cols must be at least 2");

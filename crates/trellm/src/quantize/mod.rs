@@ -133,14 +133,6 @@ fn seed_of(name: &str) -> u64 {
     })
 }
 
-fn codebook_name(cb: Codebook) -> &'static str {
-    match cb {
-        Codebook::Mul1 => "mul1",
-        Codebook::Mcg => "mcg",
-        Codebook::Inst3 => "3inst",
-    }
-}
-
 /// One projection quantized: the layer the decoder runs and the tensors the folder stores.
 struct Quantized {
     linear: Linear,
@@ -207,7 +199,7 @@ fn quantize_linear(
     };
     if let Some(mul) = marker {
         tensors.push(Tensor {
-            name: format!("{base}.{}", codebook_name(cb)),
+            name: format!("{base}.{}", cb.name()),
             dtype: "I32".into(),
             shape: vec![],
             bytes: mul.to_le_bytes().to_vec(),
@@ -321,7 +313,7 @@ fn job(origin: &str, opts: &Options, cal: &Calibration) -> Value {
         "source": origin,
         "bits": opts.bits,
         "head_bits": opts.head_bits,
-        "codebook": codebook_name(opts.codebook),
+        "codebook": opts.codebook.name(),
         "calibration_rows": cal.rows.len(),
         "calibration_tokens": cal.rows.iter().map(Vec::len).sum::<usize>(),
         "calibration_hash": format!("{hash:016x}"),
@@ -486,7 +478,7 @@ fn quantize_hf(
         m.path.display(),
         out.display(),
         opts.bits,
-        codebook_name(opts.codebook),
+        opts.codebook.name(),
         opts.head_bits.map_or("as stored".to_string(), |b| format!("{b} bpw")),
         state.len(),
     ));
@@ -675,7 +667,7 @@ fn quantize_hf(
             "text": cal.text,
         },
         "out_scales": "always",
-        "codebook": codebook_name(opts.codebook),
+        "codebook": opts.codebook.name(),
     });
     // The head is stored beside the embedding: a loader that trusts the flag must see them
     // untied (exllamav3 does the same).
