@@ -2155,30 +2155,56 @@ pub fn gemm(
     y: u64,
     out: bsys::cudaDataType,
 ) -> Result<()> {
-    let (alpha, beta) = (1.0f32, 0.0f32);
     // Row-major Y = X W^T is column-major Y^T (n x m) = W (k x n)^T . X^T (k x m).
+    let bf16t = bsys::cudaDataType::CUDA_R_16BF;
+    gemm_ex(
+        g,
+        "cublas_gemm",
+        (
+            bsys::cublasOperation_t::CUBLAS_OP_T,
+            bsys::cublasOperation_t::CUBLAS_OP_N,
+        ),
+        (n, m, k),
+        (w, bf16t, k),
+        (x, bf16t, k),
+        (y, out, n),
+    )
+}
+
+/// One cuBLAS GEMM (column-major, f32 accumulation): `c = op(a) . op(b)`, each operand given as
+/// (pointer, type, leading dimension); timed under `name` in a profile.
+pub(crate) fn gemm_ex(
+    g: &Gpu,
+    name: &str,
+    ops: (bsys::cublasOperation_t, bsys::cublasOperation_t),
+    (m, n, k): (usize, usize, usize),
+    a: (u64, bsys::cudaDataType, usize),
+    b: (u64, bsys::cudaDataType, usize),
+    c: (u64, bsys::cudaDataType, usize),
+) -> Result<()> {
+    let (alpha, beta) = (1.0f32, 0.0f32);
     // SAFETY: the pointers are live device buffers of the stated sizes; the handle runs on the
     // model's stream.
-    g.timed("cublas_gemm", || {
+    g.timed(name, || {
         unsafe {
             cudarc::cublas::result::gemm_ex(
                 *g.blas.handle(),
-                bsys::cublasOperation_t::CUBLAS_OP_T,
-                bsys::cublasOperation_t::CUBLAS_OP_N,
-                n as i32,
+                ops.0,
+                ops.1,
                 m as i32,
+                n as i32,
                 k as i32,
                 &alpha as *const f32 as *const _,
-                w as *const _,
-                bsys::cudaDataType::CUDA_R_16BF,
-                k as i32,
-                x as *const _,
-                bsys::cudaDataType::CUDA_R_16BF,
-                k as i32,
+                a.0 as *const _,
+                a.1,
+                a.2 as i32,
+                b.0 as *const _,
+                b.1,
+                b.2 as i32,
                 &beta as *const f32 as *const _,
-                y as *mut _,
-                out,
-                n as i32,
+                c.0 as *mut _,
+                c.1,
+                c.2 as i32,
                 bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )

@@ -14,7 +14,7 @@
 //! throughout. The exact path ([`Regime::Gemv`]: f32 activations, one row a launch) is the twin
 //! they are tested against; its CPU twin is `trellm_quant::exl3::matmul::matmul_tiles`.
 
-use anyhow::{anyhow, bail, ensure, Result};
+use anyhow::{bail, ensure, Result};
 use cudarc::cublas::sys as bsys;
 use cudarc::driver::{CudaFunction, CudaSlice};
 
@@ -754,36 +754,18 @@ fn gemm_f16(
     y: u64,
     ldy: usize,
 ) -> Result<()> {
-    let (alpha, beta) = (1.0f32, 0.0f32);
     // Row-major Y = XH W is column-major Y^T (n x m) = W^T (n x k, w's rows as columns) . XH^T.
-    // SAFETY: the pointers are live device buffers of the stated sizes; the handle runs on the
-    // model's stream.
-    gpu.timed("cublas_gemm_f16", || {
-        unsafe {
-            cudarc::cublas::result::gemm_ex(
-                *gpu.blas.handle(),
-                bsys::cublasOperation_t::CUBLAS_OP_N,
-                bsys::cublasOperation_t::CUBLAS_OP_N,
-                n as i32,
-                m as i32,
-                k as i32,
-                &alpha as *const f32 as *const _,
-                w as *const _,
-                bsys::cudaDataType::CUDA_R_16F,
-                n as i32,
-                xh as *const _,
-                bsys::cudaDataType::CUDA_R_16F,
-                k as i32,
-                &beta as *const f32 as *const _,
-                y as *mut _,
-                bsys::cudaDataType::CUDA_R_32F,
-                ldy as i32,
-                bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
-        }
-        .map_err(|e| anyhow!("cublasGemmEx f16 ({m}x{n}x{k}): {e:?}"))
-    })
+    let f16t = bsys::cudaDataType::CUDA_R_16F;
+    let none = bsys::cublasOperation_t::CUBLAS_OP_N;
+    crate::dense::gemm_ex(
+        gpu,
+        "cublas_gemm_f16",
+        (none, none),
+        (n, m, k),
+        (w, f16t, n),
+        (xh, f16t, k),
+        (y, bsys::cudaDataType::CUDA_R_32F, ldy),
+    )
 }
 
 #[cfg(test)]

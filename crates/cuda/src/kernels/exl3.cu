@@ -144,8 +144,8 @@ __device__ __forceinline__ void load_words(const u32* __restrict__ tile, const L
     for (int i = 0; i < NLOAD; i++) w[i] = __ldg(tile + g.idx[i]);
 }
 
-// The lane's 8 weights (positions 8L..8L+7) from its loaded words.
-__device__ __forceinline__ void decode8(const u32 (&w)[NLOAD], int shift, float (&v)[8]) {
+// The lane's 8 16-bit states (positions 8L..8L+7) from its loaded words.
+__device__ __forceinline__ void states8(const u32 (&w)[NLOAD], int shift, u32 (&st)[8]) {
     // The stream from the lane's first window on, in NALIGN big-endian words (+1 of zeros).
     u32 a[NALIGN + 1];
 #pragma unroll
@@ -157,28 +157,24 @@ __device__ __forceinline__ void decode8(const u32 (&w)[NLOAD], int shift, float 
 #pragma unroll
     for (int j = 0; j < 8; j++) {
         const int o = pos_off(j), q = o >> 5, r = o & 31;
-        const u32 st = __funnelshift_l(a[q + 1], a[q], r) >> 16;
-        v[j] = codebook(st);
+        st[j] = __funnelshift_l(a[q + 1], a[q], r) >> 16;
     }
+}
+
+// The lane's 8 weights (positions 8L..8L+7) from its loaded words.
+__device__ __forceinline__ void decode8(const u32 (&w)[NLOAD], int shift, float (&v)[8]) {
+    u32 st[8];
+    states8(w, shift, st);
+#pragma unroll
+    for (int j = 0; j < 8; j++) v[j] = codebook(st[j]);
 }
 
 // The lane's 8 weights as 4 half2: (v0, v1), (v2, v3), (v4, v5), (v6, v7) of decode8's order,
 // which are the mma.m16n8k16 B fragments of the tile's two 8-column halves ({h[0], h[1]} for
 // columns 0..7, {h[2], h[3]} for 8..15).
 __device__ __forceinline__ void decode8h(const u32 (&w)[NLOAD], int shift, u32 (&h)[4]) {
-    u32 a[NALIGN + 1];
-#pragma unroll
-    for (int i = 0; i <= NALIGN; i++) {
-        const u32 hi = i < NLOAD ? w[i] : 0u;
-        const u32 lo = i + 1 < NLOAD ? w[i + 1] : 0u;
-        a[i] = __funnelshift_l(lo, hi, shift);
-    }
     u32 st[8];
-#pragma unroll
-    for (int j = 0; j < 8; j++) {
-        const int o = pos_off(j), q = o >> 5, r = o & 31;
-        st[j] = __funnelshift_l(a[q + 1], a[q], r) >> 16;
-    }
+    states8(w, shift, st);
 #pragma unroll
     for (int j = 0; j < 4; j++) h[j] = codebook2(st[2 * j], st[2 * j + 1]);
 }
