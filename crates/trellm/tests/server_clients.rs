@@ -335,15 +335,23 @@ fn a_full_queue_gets_503_with_retry_after_and_cors_only_for_allowed_origins() {
     // SmolLM2's end tokens (<|endoftext|> 0, <|im_end|> 2) suppressed: a sampled story that
     // ended early would leave the queue empty before the check below.
     let long = br#"{"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 2000, "stream": true, "temperature": 0.8, "logit_bias": {"0": -100, "2": -100}}"#;
-    let mut held = Vec::new();
-    for _ in 0..2 {
-        held.push(post_chat(p, long));
-    }
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while metric(p, "trellm_requests_running") + metric(p, "trellm_requests_waiting") < 2 {
-        assert!(Instant::now() < deadline, "the streams never ran");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let wait_for = |what: &str, done: &dyn Fn() -> bool| {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !done() {
+            assert!(Instant::now() < deadline, "{what}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    // One stream running before the second is sent: two sent at once could both be waiting for
+    // admission, and the queue of one would turn the second away.
+    let mut held = vec![post_chat(p, long)];
+    wait_for("the first stream never ran", &|| {
+        metric(p, "trellm_requests_running") >= 1
+    });
+    held.push(post_chat(p, long));
+    wait_for("the second stream was never queued", &|| {
+        metric(p, "trellm_requests_running") + metric(p, "trellm_requests_waiting") >= 2
+    });
     let ok = br#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}"#;
     let (head, body) = http_with(
         p,
