@@ -82,6 +82,12 @@ pub fn matmul_tiles(
                 rotate_outputs(r, &svh[b * BAND..(b + 1) * BAND]);
             }
         });
+    scatter_bands(&bands, n, out, y);
+}
+
+/// Band-major results `[band][row][128]` into token-major `y` (`[row][out]`).
+fn scatter_bands(bands: &[f32], n: usize, out: usize, y: &mut [f32]) {
+    const BAND: usize = BAND_OUT;
     for (b, buf) in bands.chunks(n * BAND).enumerate() {
         for (t, r) in buf.chunks(BAND).enumerate() {
             y[t * out + b * BAND..t * out + (b + 1) * BAND].copy_from_slice(r);
@@ -136,11 +142,7 @@ pub fn matmul_tiles_gated(
                 combine(g, u);
             }
         });
-    for (b, buf) in bands.chunks(n * BAND).enumerate() {
-        for (t, r) in buf.chunks(BAND).enumerate() {
-            y[t * out + b * BAND..t * out + (b + 1) * BAND].copy_from_slice(r);
-        }
-    }
+    scatter_bands(&bands, n, out, y);
 }
 
 /// `W_inner[:, 128 b .. 128 b + 128]` decoded exactly (the codec's fp16 values as f32, tile

@@ -136,6 +136,29 @@ struct Scratch {
     up: Vec<f32>,
 }
 
+impl Scratch {
+    /// Zeroed buffers for `m` token rows.
+    fn new(cfg: &ModelConfig, m: usize) -> Scratch {
+        let (h, q_dim, kv_dim) = (
+            cfg.hidden,
+            cfg.n_heads * cfg.head_dim,
+            cfg.n_kv_heads * cfg.head_dim,
+        );
+        let zeros = |n: usize| vec![0.0f32; m * n];
+        Scratch {
+            x: zeros(h),
+            xn: zeros(h),
+            q: zeros(q_dim),
+            k: zeros(kv_dim),
+            v: zeros(kv_dim),
+            attn: zeros(q_dim),
+            proj: zeros(h),
+            gate: zeros(cfg.intermediate),
+            up: zeros(cfg.intermediate),
+        }
+    }
+}
+
 impl CpuModel {
     pub fn new(cfg: ModelConfig, weights: Weights) -> CpuModel {
         CpuModel {
@@ -179,8 +202,6 @@ impl CpuModel {
         let cfg = &self.cfg;
         let m = batch.tokens.len();
         let h = cfg.hidden;
-        let q_dim = cfg.n_heads * cfg.head_dim;
-        let kv_dim = cfg.n_kv_heads * cfg.head_dim;
         // Blocks written by this step get their memory now.
         let block_len = kv.block_len(cfg.n_layers());
         for s in &batch.seqs {
@@ -193,17 +214,7 @@ impl CpuModel {
             }
         }
 
-        let mut st = Scratch {
-            x: vec![0.0; m * h],
-            xn: vec![0.0; m * h],
-            q: vec![0.0; m * q_dim],
-            k: vec![0.0; m * kv_dim],
-            v: vec![0.0; m * kv_dim],
-            attn: vec![0.0; m * q_dim],
-            proj: vec![0.0; m * h],
-            gate: vec![0.0; m * cfg.intermediate],
-            up: vec![0.0; m * cfg.intermediate],
-        };
+        let mut st = Scratch::new(cfg, m);
         for (t, &id) in batch.tokens.iter().enumerate() {
             let row = &mut st.x[t * h..(t + 1) * h];
             self.weights.embed.dequantize_row(id as usize, row);
@@ -721,18 +732,8 @@ impl CpuModel {
             (0..n_blocks as u32).collect(),
             trellm_model::Want::None,
         );
-        let q_dim = cfg.n_heads * cfg.head_dim;
-        let mut st = Scratch {
-            x: x.to_vec(),
-            xn: vec![0.0; m * h],
-            q: vec![0.0; m * q_dim],
-            k: vec![0.0; m * kv_dim],
-            v: vec![0.0; m * kv_dim],
-            attn: vec![0.0; m * q_dim],
-            proj: vec![0.0; m * h],
-            gate: vec![0.0; m * cfg.intermediate],
-            up: vec![0.0; m * cfg.intermediate],
-        };
+        let mut st = Scratch::new(cfg, m);
+        st.x.copy_from_slice(x);
         cpu::pool().install(|| self.layer(0, ops, lw, &batch, &mut kv, &mut st, tap));
         x.copy_from_slice(&st.x);
         Ok(())
