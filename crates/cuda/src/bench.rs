@@ -128,7 +128,8 @@ pub fn time_ms(
     Ok(median(v))
 }
 
-fn fill_random(gpu: &Gpu, p: u64, n: usize, seed: u64) -> Result<()> {
+/// Fills `n` bf16 values at `p` with seeded uniform values in [-1, 1).
+pub fn fill_random_bf16(gpu: &Gpu, p: u64, n: usize, seed: u64) -> Result<()> {
     let f = gpu.function(&kernels::ELEMENTWISE, &[], "fill_uniform_bf16")?;
     gpu.launch(
         &f,
@@ -158,8 +159,8 @@ pub fn run(shape_name: &str, o: &BenchOptions) -> Result<BenchReport> {
         let a = gpu.alloc::<u16>(s * s)?;
         let bm = gpu.alloc::<u16>(s * s)?;
         let c = gpu.alloc::<f32>(s * s)?;
-        fill_random(&gpu, gpu.ptr(&a), s * s, 1)?;
-        fill_random(&gpu, gpu.ptr(&bm), s * s, 2)?;
+        fill_random_bf16(&gpu, gpu.ptr(&a), s * s, 1)?;
+        fill_random_bf16(&gpu, gpu.ptr(&bm), s * s, 2)?;
         let flops = 2.0 * (s * s * s) as f64;
         let (pa, pb, pc) = (gpu.ptr(&a), gpu.ptr(&bm), gpu.ptr(&c));
         let ms16 = time_ms(&gpu, 3, reps.max(10), || {

@@ -648,6 +648,7 @@ struct Funcs {
     gemv_res: CudaFunction,
     gemv_glu: CudaFunction,
     gemv_act: CudaFunction,
+    few_rows: FewRows,
 }
 
 /// Per-call scratch and the KV cache.
@@ -841,6 +842,7 @@ impl DenseModel {
             gemv_res: g("gemv_res")?,
             gemv_glu: g("gemv_glu")?,
             gemv_act: g("gemv_act")?,
+            few_rows: FewRows::load(&gpu)?,
         };
         let t = max_prefill;
         let h = cfg.hidden;
@@ -1453,10 +1455,14 @@ impl DenseModel {
         }
     }
 
-    /// `y[m, n] (f32) = x[m, k] (bf16) . W[n, k]^T`: our GEMV for one row, cuBLAS otherwise.
+    /// `y[m, n] (f32) = x[m, k] (bf16) . W[n, k]^T`: our GEMV for one row, our tensor-core
+    /// decode GEMM up to [`FEW_ROWS`], cuBLAS above.
     fn matmul(&self, m: usize, x: u64, w: u64, n: usize, k: usize, y: u64) -> Result<()> {
         if m == 1 {
             return self.gemv(x, w, n, k, y, (0, 0));
+        }
+        if self.f.few_rows.fits(m, k) {
+            return self.f.few_rows.run(&self.gpu, m, n, k, x, w, y);
         }
         gemm_bf16_f32(&self.gpu, m, n, k, x, w, y)
     }
@@ -2136,6 +2142,47 @@ fn decode_splits(c: &ModelConfig, max_context: usize, tokens: usize) -> usize {
         DECODE_BLOCKS
     };
     (target / tiles).clamp(1, max_context.div_ceil(ATT_KEYS).max(1))
+}
+
+/// Most rows of the tensor-core decode GEMM (`gemm_rows8` in gemv.cu); cuBLAS takes more.
+pub const FEW_ROWS: usize = 8;
+/// Warps of a decode GEMM block (`SKINNY_WARPS` in gemv.cu).
+const SKINNY_WARPS: usize = 8;
+
+/// The tensor-core decode GEMM for 2..=[`FEW_ROWS`] rows: `y[m, n] (f32) = x[m, k] (bf16) .
+/// w[n, k]^T`, each weight read once for all rows.
+pub struct FewRows(CudaFunction);
+
+impl FewRows {
+    pub fn load(gpu: &Gpu) -> Result<FewRows> {
+        Ok(FewRows(gpu.function(&kernels::GEMV, &[], "gemm_rows8")?))
+    }
+
+    /// Whether `m` rows of `k` inputs run here (k whole 16-byte vectors).
+    pub fn fits(&self, m: usize, k: usize) -> bool {
+        (2..=FEW_ROWS).contains(&m) && k.is_multiple_of(8)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn run(&self, g: &Gpu, m: usize, n: usize, k: usize, x: u64, w: u64, y: u64) -> Result<()> {
+        ensure!(
+            self.fits(m, k),
+            "the decode GEMM takes 2..={FEW_ROWS} rows, not {m}"
+        );
+        g.launch(
+            &self.0,
+            (n.div_ceil(16) as u32, 1, 1),
+            (SKINNY_WARPS * 32) as u32,
+            &[
+                Arg::Ptr(w),
+                Arg::Ptr(x),
+                Arg::Ptr(y),
+                Arg::I32(n as i32),
+                Arg::I32(k as i32),
+                Arg::I32(m as i32),
+            ],
+        )
+    }
 }
 
 /// `y[m, n] (f32, row-major) = x[m, k] (bf16) . w[n, k]^T (bf16)`, f32 accumulation, cuBLAS.

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use trellm_cuda::dense::{DenseModel, DenseWeights};
+use trellm_cuda::dense::{DenseModel, DenseWeights, FewRows};
 use trellm_cuda::{bench, Gpu};
 use trellm_model::rope::Rope;
 use trellm_model::{ModelConfig, Plan};
@@ -152,6 +152,151 @@ fn decode_is_bit_identical_run_to_run() {
         for (step, (x, y)) in a.iter().zip(&b).enumerate() {
             let diff = x.iter().zip(y).filter(|(p, q)| p != q).count();
             assert_eq!(diff, 0, "prompt {n}: step {step}: {diff} logits differ");
+        }
+    }
+}
+
+/// Seeded bf16 values in [-1, 1) (a few of them large) for the decode GEMM tests.
+fn bf16_values(n: usize, seed: u64) -> Vec<u16> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|i| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            let u = (s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0;
+            trellm_cuda::dense::to_bf16(if i % 97 == 0 { 40.0 * u } else { u })
+        })
+        .collect()
+}
+
+fn bf16_f64(v: u16) -> f64 {
+    f32::from_bits((v as u32) << 16) as f64
+}
+
+/// The tensor-core decode GEMM against float64 on the host at 2..8 rows, on shapes that are and
+/// are not whole tiles and chunks (n not a multiple of 16, k a multiple of 8 but not of 64); and
+/// bit-identical run to run.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --ignored on the GPU machine"]
+fn few_rows_gemm_matches_f64() {
+    let gpu = gpu();
+    let few = FewRows::load(&gpu).unwrap();
+    let mut failures = Vec::new();
+    for &(n, k) in &[
+        (256usize, 512usize),
+        (72, 200),
+        (4104, 136),
+        (33, 8),
+        (1000, 4096),
+    ] {
+        let w = bf16_values(n * k, (n * 31 + k) as u64);
+        let wd = gpu.upload(&w).unwrap();
+        for m in 2..=8usize {
+            let x = bf16_values(m * k, (m * 7 + n) as u64);
+            let xd = gpu.upload(&x).unwrap();
+            let yd = gpu.alloc::<f32>(m * n).unwrap();
+            let run = || {
+                few.run(&gpu, m, n, k, gpu.ptr(&xd), gpu.ptr(&wd), gpu.ptr(&yd))
+                    .unwrap();
+                gpu.stream.clone_dtoh(&yd).unwrap()
+            };
+            let y = run();
+            assert_eq!(y, run(), "{m}x{n}x{k}: runs differ");
+            for t in 0..m {
+                for o in 0..n {
+                    let (mut dot, mut mag) = (0.0f64, 0.0f64);
+                    for i in 0..k {
+                        let p = bf16_f64(x[t * k + i]) * bf16_f64(w[o * k + i]);
+                        dot += p;
+                        mag += p.abs();
+                    }
+                    let got = y[t * n + o] as f64;
+                    if (got - dot).abs() > 1e-5 * mag + 1e-30 {
+                        failures.push(format!("{m}x{n}x{k}: y[{t}][{o}] = {got}, want {dot}"));
+                    }
+                }
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} wrong, first: {:?}",
+        failures.len(),
+        &failures[..failures.len().min(5)]
+    );
+}
+
+/// Times the decode GEMM against cuBLAS on the Llama-3.1-8B shapes at 2, 4 and 8 rows, as a share
+/// of the same-run copy bandwidth (TRELLM_RESULTS appends the lines to a file).
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --ignored on the GPU machine"]
+fn few_rows_gemm_timing() {
+    use std::io::Write;
+    let gpu = gpu();
+    let copy = bench::copy_bytes_per_s(&gpu, 10).unwrap();
+    let mut out = std::env::var_os("TRELLM_RESULTS").map(|p| {
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(p)
+            .unwrap()
+    });
+    let mut emit = |line: String| {
+        println!("{line}");
+        if let Some(f) = out.as_mut() {
+            writeln!(f, "{line}").unwrap();
+        }
+    };
+    emit(format!(
+        "{{\"device\": \"{}\", \"copy_gb_s\": {:.1}}}",
+        gpu.name,
+        copy / 1e9
+    ));
+    let few = FewRows::load(&gpu).unwrap();
+    let shapes = [
+        ("qkv", 6144usize, 4096usize),
+        ("o", 4096, 4096),
+        ("gate_up", 28672, 4096),
+        ("down", 4096, 14336),
+        ("head", 128256, 4096),
+    ];
+    for (name, n, k) in shapes {
+        let bytes = 2 * n * k;
+        // Enough copies of the matrix that L2 (50 MB) holds none of it between reads.
+        let copies = (400usize << 20).div_ceil(bytes).max(2);
+        let ws: Vec<_> = (0..copies)
+            .map(|c| {
+                let w = gpu.alloc::<u16>(n * k).unwrap();
+                bench::fill_random_bf16(&gpu, gpu.ptr(&w), n * k, c as u64).unwrap();
+                w
+            })
+            .collect();
+        let x = gpu.alloc::<u16>(8 * k).unwrap();
+        bench::fill_random_bf16(&gpu, gpu.ptr(&x), 8 * k, 99).unwrap();
+        let y = gpu.alloc::<f32>(8 * n).unwrap();
+        for m in [2usize, 4, 8] {
+            for ours in [false, true] {
+                let ms = bench::time_ms(&gpu, 2, 7, || {
+                    for w in &ws {
+                        let (xp, wp, yp) = (gpu.ptr(&x), gpu.ptr(w), gpu.ptr(&y));
+                        if ours {
+                            few.run(&gpu, m, n, k, xp, wp, yp)?;
+                        } else {
+                            trellm_cuda::dense::gemm_bf16_f32(&gpu, m, n, k, xp, wp, yp)?;
+                        }
+                    }
+                    Ok(())
+                })
+                .unwrap()
+                    / copies as f64;
+                let pct = 100.0 * bytes as f64 / (ms * 1e-3) / copy;
+                let kernel = if ours { "gemm_rows8" } else { "cublas" };
+                emit(format!(
+                    "{{\"matrix\": \"{name}\", \"n\": {n}, \"k\": {k}, \"rows\": {m}, \"kernel\": \"{kernel}\", \"us\": {:.2}, \"pct_copy\": {pct:.1}}}",
+                    ms * 1e3
+                ));
+            }
         }
     }
 }

@@ -298,3 +298,90 @@ gemv_res(const bf16* __restrict__ W, int n, int k, const bf16* __restrict__ xin,
         if (ss) ss_add(ss, sq);
     }
 }
+
+// Decode GEMM for a few activation rows (a small batch of decode tokens):
+//   y[m][n] (f32) = x[m][k] (bf16) . W[n][k]^T,  2 <= m <= 8,
+// on tensor cores with the weights as the A operand (mma.m16n8k16: 16 outputs x 8 rows a tile),
+// so every weight is read once for all rows and streamed as the one-row GEMV streams it. Inside a
+// chunk of 64 inputs the order of k is permuted, alike for both operands (a dot product does not
+// care): lane (grp, tig) holds inputs 16 tig .. 16 tig + 15 of its rows, two contiguous 16-byte
+// loads, and mma q of the chunk takes its pairs 4q, 4q + 1 (k 2 tig, 2 tig + 1 of the fragment)
+// and 4q + 2, 4q + 3 (k 2 tig + 8, 2 tig + 9). A block's SKINNY_WARPS warps take interleaved
+// chunks of the same 16 outputs and are summed in shared memory in warp order, so runs are
+// bit-identical. k must be a multiple of 8; rows past n and m are clamped on load, not stored.
+// More rows measured slower than cuBLAS (H200, 2026-12-01: x is reread from L2 for every 16
+// outputs, twice the weights' bytes at 32 rows; staging x in shared memory for 128 outputs a
+// block was slower still), so cuBLAS takes them.
+#define SKINNY_WARPS 8
+#define SKINNY_CHUNK 64
+
+__device__ __forceinline__ u32 word_of(const uint4& v, int s) {
+    return s == 0 ? v.x : s == 1 ? v.y : s == 2 ? v.z : v.w;
+}
+
+extern "C" __global__ void __launch_bounds__(SKINNY_WARPS * 32)
+gemm_rows8(const bf16* __restrict__ W, const bf16* __restrict__ x, float* __restrict__ y, int n,
+           int k, int m) {
+    // Per warp: [row of x][output], each row padded by 4 so the fragment stores hit 32 banks.
+    constexpr int RS = 16 + 4;
+    __shared__ float red[SKINNY_WARPS][8 * RS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int grp = lane >> 2, tig = lane & 3;
+    const int row0 = blockIdx.x * 16;
+    const bf16* wp[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++)
+        wp[h] = W + (long long)min(row0 + grp + 8 * h, n - 1) * k + 16 * tig;
+    const bf16* xp = x + (long long)min(grp, m - 1) * k + 16 * tig;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const int chunks = (k + SKINNY_CHUNK - 1) / SKINNY_CHUNK;
+    // Whether this lane's vector u of chunk c lies inside the row.
+    const auto inside = [&](int c, int u) { return c * SKINNY_CHUNK + 16 * tig + 8 * u + 8 <= k; };
+    const auto load = [&](int c, uint4 (&w)[2][2]) {
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            const bool ok = c < chunks && inside(c, u);
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+                w[h][u] = ok ? ld_stream(wp[h] + c * SKINNY_CHUNK + 8 * u) : make_uint4(0, 0, 0, 0);
+        }
+    };
+    const auto step = [&](int c, const uint4 (&w)[2][2]) {
+        uint4 xv[2];
+#pragma unroll
+        for (int u = 0; u < 2; u++)
+            xv[u] = inside(c, u) ? ld_nc(xp + c * SKINNY_CHUNK + 8 * u) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const int u = q >> 1, s = 2 * (q & 1);
+            asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+                "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+                : "r"(word_of(w[0][u], s)), "r"(word_of(w[1][u], s)),
+                  "r"(word_of(w[0][u], s + 1)), "r"(word_of(w[1][u], s + 1)),
+                  "r"(word_of(xv[u], s)), "r"(word_of(xv[u], s + 1)));
+        }
+    };
+    // Two chunks in turn, one in flight while the other is multiplied.
+    uint4 wa[2][2], wb[2][2];
+    load(warp, wa);
+    for (int c = warp; c < chunks; c += 2 * SKINNY_WARPS) {
+        load(c + SKINNY_WARPS, wb);
+        step(c, wa);
+        load(c + 2 * SKINNY_WARPS, wa);
+        if (c + SKINNY_WARPS < chunks) step(c + SKINNY_WARPS, wb);
+    }
+    // D fragment: d0, d1 at output grp, rows 2 tig + {0, 1}; d2, d3 at output grp + 8.
+#pragma unroll
+    for (int e = 0; e < 4; e++) red[warp][(2 * tig + (e & 1)) * RS + grp + 8 * (e >> 1)] = acc[e];
+    __syncthreads();
+    if (threadIdx.x < 8 * 16) {
+        const int t = threadIdx.x >> 4, c = threadIdx.x & 15;
+        if (t < m && row0 + c < n) {
+            float s = 0.0f;
+#pragma unroll
+            for (int w = 0; w < SKINNY_WARPS; w++) s += red[w][t * RS + c];
+            y[(long long)t * n + row0 + c] = s;
+        }
+    }
+}

@@ -84,6 +84,7 @@ pub const GEMV: KernelSource = KernelSource {
         "gemv_act",
         "gemv_qkv_rope",
         "gemv_res",
+        "gemm_rows8",
     ],
     hot: true,
     variants: &[],
