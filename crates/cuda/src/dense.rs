@@ -725,6 +725,9 @@ pub struct DenseModel {
     opts: Options,
     /// The EXL3 layers' scratch (None without EXL3 weights).
     exl3: Option<Exl3Scratch>,
+    /// This rank's communicator under tensor parallelism: the output and down projections'
+    /// partial sums are all-reduced before their residual epilogue.
+    comm: Option<Arc<crate::nccl::Comm>>,
 }
 
 /// Where a forward pass takes its inputs.
@@ -921,7 +924,17 @@ impl DenseModel {
             attn_rows,
             opts,
             exl3,
+            comm: None,
         })
+    }
+
+    /// Makes this model one rank of a tensor-parallel group (its weights and config that rank's
+    /// [`trellm_model::Shard`]): each step then sums the row-parallel projections over the
+    /// ranks through `comm`, inside the captured graphs too (recaptured from now on).
+    pub fn set_comm(&mut self, comm: Arc<crate::nccl::Comm>) {
+        self.comm = Some(comm);
+        self.graphs = [None, None];
+        self.paged_graphs.clear();
     }
 
     /// Positions in the cache.
@@ -1492,12 +1505,14 @@ impl DenseModel {
         ]
     }
 
-    /// Whether decode defers the norms into the GEMVs (gemv_res): RMSNorm, and no projection
-    /// bias or post-norm on the residual branches.
+    /// Whether decode defers the norms into the GEMVs (gemv_res): RMSNorm, no projection bias
+    /// or post-norm on the residual branches, and no all-reduce between a projection and its
+    /// residual add.
     fn res_epi(&self) -> bool {
         let c = &self.cfg;
         let g = &self.gpu;
-        c.norm == Norm::Rms
+        self.comm.is_none()
+            && c.norm == Norm::Rms
             && matches!(self.head(), MatRef::Bf16(_))
             && self.w.layers.iter().all(|l| {
                 l.o.b.is_none()
@@ -2063,6 +2078,9 @@ impl DenseModel {
         let (g, h) = (&*self.gpu, self.cfg.hidden);
         let y = g.ptr(&self.b.y);
         self.linear(m, inp, w, h, k, y)?;
+        if let Some(c) = &self.comm {
+            c.all_reduce_sum_f32(g, y, m * h)?;
+        }
         self.residual(m, y, bias, post, rscale, next)
     }
 

@@ -12,11 +12,14 @@
 //!   our own bandwidth-bound GEMV for decode, the whole decode step captured as one CUDA graph.
 //! - [`exl3`]: EXL3 trellis layers uploaded compressed, decoded in registers by the GEMV.
 //! - [`bench`]: synthetic seeded weights generated on the device and the decode/prefill benchmark.
+//! - [`nccl`]: all-reduces between the GPUs of one host (tensor parallelism), NCCL loaded at run
+//!   time as well.
 
 pub mod bench;
 pub mod dense;
 pub mod exl3;
 pub mod kernels;
+pub mod nccl;
 pub mod nvrtc;
 
 use std::collections::HashMap;

@@ -300,3 +300,53 @@ fn few_rows_gemm_timing() {
         }
     }
 }
+
+/// Tensor parallelism's collective on one GPU (a world of one rank): the decoder with NCCL's
+/// all-reduce between the output and down projections and their residual adds (the unfused
+/// residual path, the all-reduce inside the captured decode graph) gives the plain decoder's
+/// logits within bf16 rounding and the same greedy ids, and runs bit-identically twice.
+#[test]
+#[ignore = "needs an NVIDIA GPU and NCCL: run with --ignored on the GPU machine"]
+fn nccl_world_of_one_matches_the_plain_decoder() {
+    let gpu = gpu();
+    assert!(
+        trellm_cuda::nccl::available(),
+        "NCCL (libnccl.so) is not on the loader's path"
+    );
+    let mut cfg = geometry(128, 16, 4, None);
+    cfg.hidden = 1024;
+    cfg.intermediate = 2816;
+    cfg.vocab = 4096;
+    let mut plain = model(
+        gpu.clone(),
+        &cfg,
+        DenseWeights::synthetic(&gpu, &cfg, 9).unwrap(),
+        512,
+    );
+    let mut ranked = model(
+        gpu.clone(),
+        &cfg,
+        DenseWeights::synthetic(&gpu, &cfg, 9).unwrap(),
+        512,
+    );
+    let comm = trellm_cuda::nccl::Comm::for_gpus(&[&gpu]).unwrap();
+    assert_eq!((comm[0].rank, comm[0].world), (0, 1));
+    ranked.set_comm(Arc::new(comm.into_iter().next().unwrap()));
+    let prompt: Vec<u32> = (0..40u32)
+        .map(|i| (i * 97 + 11) % cfg.vocab as u32)
+        .collect();
+    let floats = |v: &[u32]| v.iter().map(|&b| f32::from_bits(b)).collect::<Vec<_>>();
+    let argmax = |v: &[f32]| (0..v.len()).max_by(|&a, &b| v[a].total_cmp(&v[b])).unwrap();
+    let a = run_bits(&mut plain, &prompt, 24);
+    let b = run_bits(&mut ranked, &prompt, 24);
+    assert_eq!(b, run_bits(&mut ranked, &prompt, 24), "two runs differ");
+    let mut worst = 0.0f64;
+    for (step, (x, y)) in a.iter().zip(&b).enumerate() {
+        let (x, y) = (floats(x), floats(y));
+        let e = rel_err(&x, &y);
+        worst = worst.max(e);
+        assert!(e < 1e-2, "step {step}: relative error {e:e}");
+        assert_eq!(argmax(&x), argmax(&y), "step {step}: greedy ids differ");
+    }
+    eprintln!("world of one vs plain: largest relative logit error {worst:.2e}");
+}

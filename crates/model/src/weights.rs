@@ -374,6 +374,7 @@ pub struct LayerWeights {
     pub post_ffn_norm: Option<NormWeights>,
 }
 
+#[derive(Clone)]
 pub struct Weights {
     pub embed: Matrix,
     pub layers: Vec<LayerWeights>,
@@ -461,6 +462,38 @@ impl Matrix {
             GgmlType::F32,
             rows,
             cols,
+            Arc::new(map.make_read_only()?),
+            0,
+        )
+    }
+
+    /// Columns `start..start + n` of every row, copied into a matrix of their own (in memory).
+    /// Both ends must fall on the format's block boundaries.
+    pub fn cols_copy(&self, start: usize, n: usize) -> Result<Matrix> {
+        let block = self.ty.block_len();
+        if start + n > self.cols || !start.is_multiple_of(block) || !n.is_multiple_of(block) {
+            bail!(
+                "columns {start}..{} of a {:?} matrix of {} columns do not fall on its {block}-value blocks",
+                start + n,
+                self.ty,
+                self.cols
+            );
+        }
+        let skip = self.ty.bytes_for(start).expect("whole blocks");
+        let take = self.ty.bytes_for(n).expect("whole blocks");
+        let mut map = memmap2::MmapMut::map_anon((self.rows * take).max(1))?;
+        for (r, out) in map
+            .chunks_exact_mut(take.max(1))
+            .take(self.rows)
+            .enumerate()
+        {
+            out.copy_from_slice(&self.row(r)[skip..skip + take]);
+        }
+        Matrix::new(
+            "a column slice",
+            self.ty,
+            self.rows,
+            n,
             Arc::new(map.make_read_only()?),
             0,
         )

@@ -1,7 +1,7 @@
 //! The exact CPU path: f32 arithmetic on weights decoded row by row from their stored blocks.
 
 pub mod model;
-pub use model::{CpuKv, CpuModel};
+pub use model::{CpuKv, CpuModel, ShardedCpu, ShardedKv};
 
 use rayon::prelude::*;
 

@@ -7,7 +7,7 @@
 use anyhow::{ensure, Result};
 use rayon::prelude::*;
 use trellm_model::plan::{NormOp, Op, Plan, QkvEpilogue, ResidualEpilogue};
-use trellm_model::{Batch, ModelBackend};
+use trellm_model::{Batch, ModelBackend, Shard};
 
 use crate::backend::cpu;
 use crate::model::config::{ModelConfig, Norm, QkNorm};
@@ -199,11 +199,24 @@ impl CpuModel {
     }
 
     fn step_on_pool(&self, batch: &Batch, kv: &mut CpuKv) -> Vec<f32> {
-        let cfg = &self.cfg;
-        let m = batch.tokens.len();
-        let h = cfg.hidden;
-        // Blocks written by this step get their memory now.
-        let block_len = kv.block_len(cfg.n_layers());
+        self.allocate_blocks(batch, kv);
+        let mut st = Scratch::new(&self.cfg, batch.tokens.len());
+        self.embed(batch, &mut st);
+        for (l, (lp, lw)) in self
+            .plan
+            .layers
+            .iter()
+            .zip(&self.weights.layers)
+            .enumerate()
+        {
+            self.layer(l, &lp.ops, lw, batch, kv, &mut st, &mut |_, _| {}, false);
+        }
+        self.logits(batch, &mut st)
+    }
+
+    /// Gives memory to the blocks this step writes.
+    fn allocate_blocks(&self, batch: &Batch, kv: &mut CpuKv) {
+        let block_len = kv.block_len(self.cfg.n_layers());
         for s in &batch.seqs {
             let bs = kv.block_size;
             for j in s.start..s.start + s.len {
@@ -213,8 +226,11 @@ impl CpuModel {
                 }
             }
         }
+    }
 
-        let mut st = Scratch::new(cfg, m);
+    /// The batch's token embeddings into the residual stream.
+    fn embed(&self, batch: &Batch, st: &mut Scratch) {
+        let h = self.cfg.hidden;
         for (t, &id) in batch.tokens.iter().enumerate() {
             let row = &mut st.x[t * h..(t + 1) * h];
             self.weights.embed.dequantize_row(id as usize, row);
@@ -222,17 +238,12 @@ impl CpuModel {
                 row.iter_mut().for_each(|v| *v *= s);
             }
         }
-        for (l, (lp, lw)) in self
-            .plan
-            .layers
-            .iter()
-            .zip(&self.weights.layers)
-            .enumerate()
-        {
-            self.layer(l, &lp.ops, lw, batch, kv, &mut st, &mut |_, _| {});
-        }
+    }
 
-        // The rows that want logits, sequence by sequence.
+    /// The final norm and the output head over the rows that want logits, sequence by sequence.
+    fn logits(&self, batch: &Batch, st: &mut Scratch) -> Vec<f32> {
+        let cfg = &self.cfg;
+        let h = cfg.hidden;
         let mut rows = Vec::with_capacity(batch.logit_rows() * h);
         for s in &batch.seqs {
             let r = s.want.rows(s.len);
@@ -262,6 +273,8 @@ impl CpuModel {
     }
 
     /// Runs `ops` (a layer's plan or a part of it), showing `tap` each linear layer's input.
+    /// With `partial`, the output and down projections leave their product, without bias, in
+    /// `st.proj` and add nothing to the residual stream (a tensor-parallel rank's partial sum).
     #[allow(clippy::too_many_arguments)]
     fn layer(
         &self,
@@ -272,6 +285,7 @@ impl CpuModel {
         kv: &mut CpuKv,
         st: &mut Scratch,
         tap: &mut (dyn FnMut(Tap, &[f32]) + Send),
+        partial: bool,
     ) {
         let m = batch.tokens.len();
         let rows: Vec<usize> = batch.seqs.iter().map(|s| s.len).collect();
@@ -366,8 +380,12 @@ impl CpuModel {
                 }
                 Op::Output(e) => {
                     tap(Tap::O, &st.attn);
-                    linear(&st.attn, rows, &lw.o, &mut st.proj);
-                    residual(e, &lw.post_attn_norm, &mut st.x, &mut st.proj);
+                    if partial {
+                        cpu::linear_batched(&st.attn, rows, &lw.o.w, &mut st.proj);
+                    } else {
+                        linear(&st.attn, rows, &lw.o, &mut st.proj);
+                        residual(e, &lw.post_attn_norm, &mut st.x, &mut st.proj);
+                    }
                 }
                 Op::MlpNorm(n) => pre_norm(st, n, &lw.ffn_norm),
                 Op::GateUp(g) => {
@@ -395,8 +413,12 @@ impl CpuModel {
                 }
                 Op::Down(e) => {
                     tap(Tap::Down, &st.gate);
-                    linear(&st.gate, rows, &lw.down, &mut st.proj);
-                    residual(e, &lw.post_ffn_norm, &mut st.x, &mut st.proj);
+                    if partial {
+                        cpu::linear_batched(&st.gate, rows, &lw.down.w, &mut st.proj);
+                    } else {
+                        linear(&st.gate, rows, &lw.down, &mut st.proj);
+                        residual(e, &lw.post_ffn_norm, &mut st.x, &mut st.proj);
+                    }
                 }
             }
         }
@@ -734,7 +756,7 @@ impl CpuModel {
         );
         let mut st = Scratch::new(cfg, m);
         st.x.copy_from_slice(x);
-        cpu::pool().install(|| self.layer(0, ops, lw, &batch, &mut kv, &mut st, tap));
+        cpu::pool().install(|| self.layer(0, ops, lw, &batch, &mut kv, &mut st, tap, false));
         x.copy_from_slice(&st.x);
         Ok(())
     }
@@ -784,6 +806,112 @@ impl ModelBackend for CpuModel {
         self.check(batch, kv)?;
         // On a pool thread, the many small parallel ops of a step are handed to the other
         // workers directly instead of each being injected from outside and waited for.
+        Ok(cpu::pool().install(|| self.step_on_pool(batch, kv)))
+    }
+}
+
+/// A model split over `world` tensor-parallel ranks ([`Shard`]), its ranks run one after another
+/// in this process: each layer half (attention, MLP) runs on every rank up to its partial
+/// projection, the partials are summed in rank order (the all-reduce), and the projection's bias
+/// and residual epilogue run once on the sum. It checks the sharding's numerics on the CPU; GPU ranks run
+/// the same split with NCCL's all-reduce.
+pub struct ShardedCpu {
+    ranks: Vec<CpuModel>,
+    cfg: ModelConfig,
+}
+
+/// The ranks' KV caches (each holds its own kv heads).
+pub struct ShardedKv(Vec<CpuKv>);
+
+impl ShardedCpu {
+    pub fn new(cfg: ModelConfig, weights: &Weights, world: usize) -> Result<ShardedCpu> {
+        Shard::check(&cfg, world)?;
+        let ranks = (0..world)
+            .map(|rank| {
+                let s = Shard { rank, world };
+                Ok(CpuModel::new(s.config(&cfg), s.weights(&cfg, weights)?))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(ShardedCpu { ranks, cfg })
+    }
+
+    fn step_on_pool(&self, batch: &Batch, kv: &mut ShardedKv) -> Vec<f32> {
+        let m = batch.tokens.len();
+        for (r, k) in self.ranks.iter().zip(kv.0.iter_mut()) {
+            r.allocate_blocks(batch, k);
+        }
+        let mut sts: Vec<Scratch> = self.ranks.iter().map(|r| Scratch::new(&r.cfg, m)).collect();
+        let first = &self.ranks[0];
+        first.embed(batch, &mut sts[0]);
+        for l in 0..self.cfg.n_layers() {
+            let ops = &first.plan.layers[l].ops;
+            let split = 1 + ops
+                .iter()
+                .position(|o| matches!(o, Op::Output(_)))
+                .expect("a layer plan has an output projection");
+            for half in [0..split, split..ops.len()] {
+                let x = sts[0].x.clone();
+                for ((rank, k), st) in self.ranks.iter().zip(kv.0.iter_mut()).zip(&mut sts) {
+                    st.x.copy_from_slice(&x);
+                    let ops = &rank.plan.layers[l].ops[half.clone()];
+                    let lw = &rank.weights.layers[l];
+                    rank.layer(l, ops, lw, batch, k, st, &mut |_, _| {}, true);
+                }
+                let (head, rest) = sts.split_first_mut().expect("at least one rank");
+                for st in rest.iter() {
+                    head.proj
+                        .iter_mut()
+                        .zip(&st.proj)
+                        .for_each(|(a, b)| *a += b);
+                }
+                let lw = &first.weights.layers[l];
+                let (e, proj, post) = match &ops[half.end - 1] {
+                    Op::Output(e) => (e, &lw.o, &lw.post_attn_norm),
+                    Op::Down(e) => (e, &lw.down, &lw.post_ffn_norm),
+                    op => unreachable!("a layer half ends in {op:?}"),
+                };
+                if let Some(b) = &proj.b {
+                    head.proj
+                        .chunks_mut(b.len())
+                        .for_each(|r| r.iter_mut().zip(b).for_each(|(v, c)| *v += c));
+                }
+                residual(e, post, &mut head.x, &mut head.proj);
+            }
+        }
+        first.logits(batch, &mut sts[0])
+    }
+}
+
+impl ModelBackend for ShardedCpu {
+    type Cache = ShardedKv;
+
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn new_cache(&self, n_blocks: usize, block_size: usize) -> Result<ShardedKv> {
+        let caches = self.ranks.iter().map(|r| r.new_cache(n_blocks, block_size));
+        Ok(ShardedKv(caches.collect::<Result<_>>()?))
+    }
+
+    fn block_bytes(&self, block_size: usize) -> usize {
+        self.ranks.iter().map(|r| r.block_bytes(block_size)).sum()
+    }
+
+    fn copy_blocks(&self, kv: &mut ShardedKv, copies: &[(u32, u32)]) -> Result<()> {
+        for (r, k) in self.ranks.iter().zip(kv.0.iter_mut()) {
+            r.copy_blocks(k, copies)?;
+        }
+        Ok(())
+    }
+
+    fn step(&self, batch: &Batch, kv: &mut ShardedKv) -> Result<Vec<f32>> {
+        if batch.seqs.is_empty() {
+            return Ok(Vec::new());
+        }
+        for (r, k) in self.ranks.iter().zip(&kv.0) {
+            r.check(batch, k)?;
+        }
         Ok(cpu::pool().install(|| self.step_on_pool(batch, kv)))
     }
 }
