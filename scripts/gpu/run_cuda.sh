@@ -12,6 +12,19 @@ OUT=${OUT:-/tmp/trellm-gpu-out}
 mkdir -p "$OUT"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export TRELLM_CUDA_CACHE=/tmp/trellm-cuda-cache
+# NCCL for tensor parallelism: cudarc loads libnccl.so; the image has libnccl.so.2 (system or the
+# nvidia-nccl wheel). NVLink multicast stays off (the device's rules).
+export NCCL_NVLS_ENABLE=0
+if ! ldconfig -p | grep -q 'libnccl.so '; then
+    lib=$(ldconfig -p | awk '/libnccl.so.2 /{print $NF; exit}')
+    [ -n "$lib" ] || lib=$(python3 -c 'import nvidia.nccl as n; print(list(n.__path__)[0] + "/lib/libnccl.so.2")' 2>/dev/null)
+    mkdir -p /tmp/trellm-nccl && ln -sf "$lib" /tmp/trellm-nccl/libnccl.so
+    export LD_LIBRARY_PATH=/tmp/trellm-nccl:$LD_LIBRARY_PATH
+fi
+gpus=$(nvidia-smi -L | wc -l)
+# Tests that need two GPUs are skipped, and say so, on a one-GPU machine.
+skip_multi=()
+if [ "$gpus" -lt 2 ]; then skip_multi=(--skip multi_gpu); echo "one GPU: multi_gpu tests skipped"; fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv >"$OUT/gpu.txt" 2>&1
 cat "$OUT/gpu.txt"
 echo "== tiny shape"
@@ -49,7 +62,7 @@ for t in "$DEV"/tests/*; do
     # SRC_ROOT: the checkout the binaries were built in (their fixture paths are compiled in).
     src=${SRC_ROOT:-}
     if [ -n "$src" ] && [ ! -e "$src" ]; then mkdir -p "$(dirname "$src")" && ln -s "$PWD" "$src"; fi
-    "$t" --include-ignored --test-threads 1 2>&1 | tee "$OUT/test-$(basename "$t").txt" | tail -8
+    "$t" --include-ignored --test-threads 1 "${skip_multi[@]}" 2>&1 | tee "$OUT/test-$(basename "$t").txt" | tail -8
 done
 checks
 benches default default_again

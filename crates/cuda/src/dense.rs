@@ -1474,7 +1474,7 @@ impl DenseModel {
         if m == 1 {
             return self.gemv(x, w, n, k, y, (0, 0));
         }
-        if self.f.few_rows.fits(m, k) {
+        if self.f.few_rows.fits(m, n, k) {
             return self.f.few_rows.run(&self.gpu, m, n, k, x, w, y);
         }
         gemm_bf16_f32(&self.gpu, m, n, k, x, w, y)
@@ -2164,6 +2164,10 @@ fn decode_splits(c: &ModelConfig, max_context: usize, tokens: usize) -> usize {
 
 /// Most rows of the tensor-core decode GEMM (`gemm_rows8` in gemv.cu); cuBLAS takes more.
 pub const FEW_ROWS: usize = 8;
+/// Largest matrix (elements) it takes: it beat cuBLAS on the 8B shape's qkv, o and down
+/// (68-69 / 59-62 / 73-80% of copy against 60-66 / 47-50 / 77-78% at 2-8 rows), and lost on the
+/// larger gate/up and head (80-84 / 89-95% against 81-88 / 95-97%; H200, session 6 run 6).
+const FEW_ROWS_MAX_ELEMS: usize = 1 << 26;
 /// Warps of a decode GEMM block (`SKINNY_WARPS` in gemv.cu).
 const SKINNY_WARPS: usize = 8;
 
@@ -2176,16 +2180,35 @@ impl FewRows {
         Ok(FewRows(gpu.function(&kernels::GEMV, &[], "gemm_rows8")?))
     }
 
-    /// Whether `m` rows of `k` inputs run here (k whole 16-byte vectors).
-    pub fn fits(&self, m: usize, k: usize) -> bool {
-        (2..=FEW_ROWS).contains(&m) && k.is_multiple_of(8)
+    /// Whether `m` rows through an `n x k` matrix run here (k whole 16-byte vectors).
+    pub fn fits(&self, m: usize, n: usize, k: usize) -> bool {
+        (2..=FEW_ROWS).contains(&m) && k.is_multiple_of(8) && n * k <= FEW_ROWS_MAX_ELEMS
     }
 
     #[allow(clippy::too_many_arguments)]
     pub fn run(&self, g: &Gpu, m: usize, n: usize, k: usize, x: u64, w: u64, y: u64) -> Result<()> {
         ensure!(
-            self.fits(m, k),
-            "the decode GEMM takes 2..={FEW_ROWS} rows, not {m}"
+            self.fits(m, n, k),
+            "the decode GEMM takes 2..={FEW_ROWS} rows through at most {FEW_ROWS_MAX_ELEMS} weights, not {m} through {n}x{k}"
+        );
+        self.launch(g, m, n, k, x, w, y)
+    }
+
+    /// As [`Self::run`] for a matrix of any size (the kernel's limits are on `m` and `k` only).
+    #[allow(clippy::too_many_arguments)]
+    pub fn launch(
+        &self,
+        g: &Gpu,
+        m: usize,
+        n: usize,
+        k: usize,
+        x: u64,
+        w: u64,
+        y: u64,
+    ) -> Result<()> {
+        ensure!(
+            (2..=FEW_ROWS).contains(&m) && k.is_multiple_of(8),
+            "the decode GEMM takes 2..={FEW_ROWS} rows of whole 16-byte vectors, not {m}x{k}"
         );
         g.launch(
             &self.0,

@@ -50,6 +50,14 @@ pub fn available() -> bool {
     .unwrap_or(false)
 }
 
+/// GPUs the driver sees (0 where [`available`] is false).
+pub fn device_count() -> Result<usize> {
+    if !available() {
+        return Ok(0);
+    }
+    Ok(CudaContext::device_count()? as usize)
+}
+
 /// Why [`available`] is false, for skip messages.
 pub fn unavailable_reason() -> String {
     // SAFETY: only tries to dlopen the driver library.

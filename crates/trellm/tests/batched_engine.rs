@@ -261,6 +261,7 @@ fn a_full_pool_makes_requests_wait_or_refuses_them() {
         kv_blocks: 6,
         prefill_chunk: 16,
         prefix_cache: true,
+        tensor_parallel: 1,
     };
     let mut e = Engine::new(m.model.clone(), None, o).unwrap();
     let too_big = Request {
@@ -460,6 +461,7 @@ fn cached_blocks_are_evicted_when_the_pool_needs_them() {
         kv_blocks: 6,
         prefill_chunk: 16,
         prefix_cache: true,
+        tensor_parallel: 1,
     };
     let mut e = Engine::new(m.model.clone(), None, o).unwrap();
     for i in 0..8 {

@@ -141,3 +141,45 @@ fn models_that_do_not_split_are_refused_clearly() {
         .unwrap_or_default();
     assert!(e.contains("kv heads"), "{e}");
 }
+
+/// `trellm generate --tensor-parallel 2` (simulated ranks on the CPU) prints the tokens of the
+/// unsplit model; a model that does not split is a clear one-line error.
+#[test]
+fn generate_over_two_ranks_prints_the_same_tokens() {
+    let dir = fixture("qwen3");
+    let dir = dir.to_str().unwrap();
+    let args = [
+        "generate",
+        "-M",
+        dir,
+        "--prompt-ids",
+        "1,2,3,4,5",
+        "-m",
+        "16",
+        "--json",
+        "-q",
+    ];
+    let (rc, one, err) = common::run(&args);
+    assert_eq!(rc, 0, "{err}");
+    let mut split = args.to_vec();
+    split.extend(["--tensor-parallel", "2"]);
+    let (rc, two, err) = common::run(&split);
+    assert_eq!(rc, 0, "{err}");
+    let ids = |s: &str| serde_json::from_str::<serde_json::Value>(s).unwrap()["ids"].clone();
+    assert_eq!(ids(&one), ids(&two));
+    let gemma = fixture("gemma");
+    common::assert_clean_error(
+        &[
+            "generate",
+            "-M",
+            gemma.to_str().unwrap(),
+            "--prompt-ids",
+            "1,2",
+            "-m",
+            "2",
+            "--tensor-parallel",
+            "2",
+        ],
+        "kv heads do not split",
+    );
+}

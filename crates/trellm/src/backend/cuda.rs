@@ -9,7 +9,7 @@ use anyhow::{anyhow, bail, ensure, Result};
 use trellm_cuda::dense::{DenseModel, DenseWeights, PagedKv, KV_BLOCK, MAX_SEQS};
 use trellm_cuda::Gpu;
 
-use trellm_model::{Batch, ModelBackend, Want};
+use trellm_model::{Batch, ModelBackend, Shard, Want};
 
 use super::cpu::CpuModel;
 use super::SoloSequence;
@@ -33,10 +33,12 @@ pub fn upload(
 
 /// The GPU decoder behind the step contract: ragged batches of many sequences over a paged KV
 /// cache on the device (blocks of [`KV_BLOCK`] positions addressed through each sequence's block
-/// table), see [`DenseModel::step_batch`].
+/// table), see [`DenseModel::step_batch`]. Under tensor parallelism, one decoder per rank, rank
+/// i on GPU i with its [`Shard`] of the weights and its kv heads' cache, each stepped by a
+/// thread of its own; their all-reduces meet through NCCL.
 pub struct CudaModel {
     cfg: ModelConfig,
-    dense: Mutex<SendDense>,
+    ranks: Vec<Mutex<SendDense>>,
 }
 
 /// The decoder's CUDA graphs hold raw handles, which cudarc does not mark `Send`; the mutex
@@ -45,24 +47,55 @@ struct SendDense(DenseModel);
 // SAFETY: see above: access is serialized by the mutex and the context is bound per call.
 unsafe impl Send for SendDense {}
 
-/// The KV blocks on the device.
-pub struct CudaCache(PagedKv);
-// SAFETY: device buffers, used only under the model's mutex (see SendDense).
-unsafe impl Send for CudaCache {}
+/// The KV blocks on the device, one cache a rank.
+pub struct CudaCache(Vec<RankKv>);
+struct RankKv(PagedKv);
+// SAFETY: device buffers, used only under their rank's mutex (see SendDense); a step's rank
+// threads each read only their own.
+unsafe impl Send for RankKv {}
+unsafe impl Sync for RankKv {}
 
 impl CudaModel {
     /// Uploads `model` for sequences of up to `capacity` positions each (at most the model's
-    /// context).
-    pub fn new(model: &CpuModel, capacity: usize) -> Result<CudaModel> {
+    /// context), split over `tensor_parallel` GPUs.
+    pub fn new(model: &CpuModel, capacity: usize, tensor_parallel: usize) -> Result<CudaModel> {
         if !available() {
             bail!("--device cuda: {}", unavailable_reason());
         }
-        let gpu = Arc::new(Gpu::new(0)?);
+        let world = tensor_parallel.max(1);
+        let gpus = trellm_cuda::device_count()?;
+        ensure!(
+            world <= gpus,
+            "--tensor-parallel {world}: this machine has {gpus} GPU(s)"
+        );
+        Shard::check(&model.cfg, world)?;
         let cap = capacity.clamp(1, model.cfg.max_context.max(1));
-        let dense = upload(gpu, model, cap, PREFILL_STEP.min(cap.max(MAX_SEQS)))?;
+        let prefill = PREFILL_STEP.min(cap.max(MAX_SEQS));
+        let gpus = (0..world)
+            .map(|i| Gpu::new(i).map(Arc::new))
+            .collect::<Result<Vec<_>>>()?;
+        let mut ranks = Vec::with_capacity(world);
+        for (rank, gpu) in gpus.iter().enumerate() {
+            let shard = Shard { rank, world };
+            let cfg = shard.config(&model.cfg);
+            let w = shard.weights(&model.cfg, &model.weights)?;
+            let dw = DenseWeights::upload(gpu, &cfg, &w)?;
+            let plan = trellm_model::Plan::new(&cfg);
+            ranks.push(DenseModel::new(gpu.clone(), &cfg, &plan, dw, cap, prefill)?);
+        }
+        if world > 1 {
+            let comms =
+                trellm_cuda::nccl::Comm::for_gpus(&gpus.iter().map(|g| &**g).collect::<Vec<_>>())?;
+            for (r, c) in ranks.iter_mut().zip(comms) {
+                r.set_comm(Arc::new(c));
+            }
+        }
         Ok(CudaModel {
             cfg: model.cfg.clone(),
-            dense: Mutex::new(SendDense(dense)),
+            ranks: ranks
+                .into_iter()
+                .map(|r| Mutex::new(SendDense(r)))
+                .collect(),
         })
     }
 
@@ -91,21 +124,22 @@ impl CudaModel {
         )?;
         Ok(CudaModel {
             cfg,
-            dense: Mutex::new(SendDense(dense)),
+            ranks: vec![Mutex::new(SendDense(dense))],
         })
     }
 
-    /// [`ModelBackend::step`] with every kernel timed (the batched bench's profile).
+    /// [`ModelBackend::step`] with every kernel timed (the batched bench's profile; one rank).
     pub fn profile_step(
         &self,
         batch: &Batch,
         cache: &mut CudaCache,
     ) -> Result<Vec<trellm_cuda::KernelTime>> {
-        self.dense()?.0.profile_step_batch(batch, &cache.0)
+        ensure!(self.ranks.len() == 1, "a profiled step runs on one GPU");
+        self.rank(0)?.0.profile_step_batch(batch, &cache.0[0].0)
     }
 
-    fn dense(&self) -> Result<std::sync::MutexGuard<'_, SendDense>> {
-        self.dense
+    fn rank(&self, r: usize) -> Result<std::sync::MutexGuard<'_, SendDense>> {
+        self.ranks[r]
             .lock()
             .map_err(|_| anyhow!("the CUDA decoder panicked"))
     }
@@ -123,7 +157,8 @@ impl ModelBackend for CudaModel {
             block_size == KV_BLOCK,
             "the CUDA KV cache takes blocks of {KV_BLOCK} positions, not {block_size}"
         );
-        Ok(CudaCache(self.dense()?.0.paged_kv(n_blocks)?))
+        let caches = (0..self.ranks.len()).map(|r| Ok(RankKv(self.rank(r)?.0.paged_kv(n_blocks)?)));
+        Ok(CudaCache(caches.collect::<Result<_>>()?))
     }
 
     fn block_bytes(&self, block_size: usize) -> usize {
@@ -131,11 +166,32 @@ impl ModelBackend for CudaModel {
     }
 
     fn copy_blocks(&self, cache: &mut CudaCache, copies: &[(u32, u32)]) -> Result<()> {
-        self.dense()?.0.copy_blocks(&mut cache.0, copies)
+        for (r, kv) in cache.0.iter_mut().enumerate() {
+            self.rank(r)?.0.copy_blocks(&mut kv.0, copies)?;
+        }
+        Ok(())
     }
 
     fn step(&self, batch: &Batch, cache: &mut CudaCache) -> Result<Vec<f32>> {
-        self.dense()?.0.step_batch(batch, &cache.0)
+        if self.ranks.len() == 1 {
+            return self.rank(0)?.0.step_batch(batch, &cache.0[0].0);
+        }
+        // Every rank steps at once (its all-reduces wait for the others'); all hold the same
+        // logits (the head is replicated), rank 0's are returned.
+        std::thread::scope(|s| {
+            let steps: Vec<_> = (0..self.ranks.len())
+                .zip(&cache.0)
+                .map(|(r, kv)| s.spawn(move || self.rank(r)?.0.step_batch(batch, &kv.0)))
+                .collect();
+            let mut first = None;
+            for h in steps {
+                let logits = h
+                    .join()
+                    .map_err(|_| anyhow!("a tensor-parallel rank panicked"))??;
+                first.get_or_insert(logits);
+            }
+            first.ok_or_else(|| anyhow!("no ranks"))
+        })
     }
 }
 

@@ -50,6 +50,9 @@ pub struct BenchArgs {
     /// (mul1, mcg or 3inst; 1..8, or 1.5, 2.5, 3.5), the head at 6 bits as exllamav3 converts it.
     #[arg(long, value_name = "CODEBOOK:BITS", value_parser = parse_exl3)]
     pub exl3: Option<Exl3Spec>,
+    /// cuda, with `--model`: split the model over GPUs 0..N (tensor parallelism, NCCL).
+    #[arg(long, default_value_t = 1, value_parser = clap::builder::TypedValueParser::map(clap::value_parser!(u16).range(1..=64), usize::from))]
+    pub tensor_parallel: usize,
 }
 
 /// A codebook and bitrate of synthetic EXL3 weights (`--exl3`).
@@ -101,6 +104,9 @@ fn check_sizes(a: &BenchArgs) -> Result<()> {
     check_count("--context", a.context, MAX_BENCH_TOKENS)?;
     if a.exl3.is_some() && (a.device != Device::Cuda || a.shape.is_none()) {
         bail!("--exl3 makes synthetic weights: it needs --device cuda --shape NAME");
+    }
+    if a.tensor_parallel > 1 && (a.device != Device::Cuda || a.shape.is_some() || a.check) {
+        bail!("--tensor-parallel measures a --model split over GPUs: it needs --device cuda --model M");
     }
     Ok(())
 }
@@ -208,7 +214,7 @@ fn pp_tg_cuda(
     tokens: &[u32],
     capacity: usize,
 ) -> Result<(Vec<f64>, Vec<f64>)> {
-    let model = crate::backend::cuda::CudaModel::new(&m.model, capacity)?;
+    let model = crate::backend::cuda::CudaModel::new(&m.model, capacity, a.tensor_parallel)?;
     pp_tg(a, &model, tokens, capacity)
 }
 
@@ -238,7 +244,8 @@ fn batched(a: &BenchArgs, m: &LoadedModel, sizes: &[usize]) -> Result<()> {
 
 #[cfg(feature = "cuda")]
 fn batched_cuda(a: &BenchArgs, m: &LoadedModel, label: &str, sizes: &[usize]) -> Result<()> {
-    let model = crate::backend::cuda::CudaModel::new(&m.model, a.n_prompt + a.n_gen)?;
+    let model =
+        crate::backend::cuda::CudaModel::new(&m.model, a.n_prompt + a.n_gen, a.tensor_parallel)?;
     batched_on(a, &model, label, sizes)
 }
 

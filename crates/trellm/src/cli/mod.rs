@@ -82,6 +82,10 @@ pub struct DeviceArgs {
     /// Device for the forward passes: cpu, or cuda (the first NVIDIA GPU; weights in bf16).
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
     pub device: Device,
+    /// Split the model over N ranks (tensor parallelism): on cuda, GPUs 0..N (NCCL's
+    /// all-reduces); on cpu, N simulated ranks run one after another (a check of the split).
+    #[arg(long, default_value_t = 1, value_parser = clap::builder::TypedValueParser::map(clap::value_parser!(u16).range(1..=64), usize::from))]
+    pub tensor_parallel: usize,
 }
 
 impl DeviceArgs {
@@ -95,7 +99,10 @@ impl DeviceArgs {
         let positions = positions.clamp(1, m.model.cfg.max_context.max(1));
         m.engine(
             self.device,
-            EngineOptions::for_sequences(max_seqs, positions),
+            EngineOptions {
+                tensor_parallel: self.tensor_parallel,
+                ..EngineOptions::for_sequences(max_seqs, positions)
+            },
         )
     }
 }

@@ -89,6 +89,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         grace: Duration::from_secs(a.shutdown_grace),
     };
     let (model_args, kv_memory, max_seqs) = (a.model, a.kv_memory, a.max_seqs);
+    let tensor_parallel = a.device.tensor_parallel;
     serve(
         move || {
             let m = model_args.load()?;
@@ -102,6 +103,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
                 kv_blocks,
                 prefill_chunk: PREFILL_CHUNK_SERVE,
                 prefix_cache: true,
+                tensor_parallel,
             };
             Ok((m, engine))
         },

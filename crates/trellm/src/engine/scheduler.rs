@@ -115,6 +115,9 @@ pub struct EngineOptions {
     pub prefill_chunk: usize,
     /// Keep finished sequences' KV blocks for prompts that start the same way.
     pub prefix_cache: bool,
+    /// Ranks the model is split over (tensor parallelism; 1: not split). On the CPU the ranks
+    /// are simulated one after another; on CUDA rank i runs on GPU i.
+    pub tensor_parallel: usize,
 }
 
 impl EngineOptions {
@@ -125,6 +128,7 @@ impl EngineOptions {
             kv_blocks: max_seqs * positions.div_ceil(BLOCK_SIZE),
             prefill_chunk: super::generate::PREFILL_STEP,
             prefix_cache: true,
+            tensor_parallel: 1,
         }
     }
 }

@@ -8,7 +8,7 @@ use trellm_formats::gguf::Gguf;
 use trellm_formats::safetensors::SafeTensors;
 use trellm_tokenizer::Tokenizer;
 
-use crate::backend::cpu::CpuModel;
+use crate::backend::cpu::{CpuModel, ShardedCpu};
 use crate::backend::Device;
 use crate::engine::{Engine, EngineOptions, SamplingDefaults};
 
@@ -145,10 +145,15 @@ fn load_hf(dir: &Path, with_tokenizer: bool) -> Result<LoadedModel> {
 
 impl LoadedModel {
     /// An engine serving this model on `device`: the CPU model is shared; a GPU gets a copy of
-    /// the weights, uploaded now.
+    /// the weights, uploaded now (each rank its shard, with `opts.tensor_parallel` ranks).
     pub fn engine(&self, device: Device, opts: EngineOptions) -> Result<Engine<'_>> {
         let tok = self.tokenizer.as_ref().ok();
         Ok(match device {
+            Device::Cpu if opts.tensor_parallel > 1 => {
+                let m = &self.model;
+                let sharded = ShardedCpu::new(m.cfg.clone(), &m.weights, opts.tensor_parallel)?;
+                Engine::new(Arc::new(sharded), tok, opts)?
+            }
             Device::Cpu => Engine::new(self.model.clone(), tok, opts)?,
             Device::Cuda => self.cuda_engine(tok, opts)?,
         })
@@ -161,7 +166,8 @@ impl LoadedModel {
         opts: EngineOptions,
     ) -> Result<Engine<'t>> {
         let positions = opts.kv_blocks * crate::backend::BLOCK_SIZE;
-        let model = crate::backend::cuda::CudaModel::new(&self.model, positions)?;
+        let model =
+            crate::backend::cuda::CudaModel::new(&self.model, positions, opts.tensor_parallel)?;
         Ok(Engine::new(Arc::new(model), tok, opts)?)
     }
 
