@@ -74,6 +74,9 @@ fn check_flags(a: &EvalArgs) -> Result<()> {
              yet; run it with --device cpu"
         );
     }
+    if a.device.tensor_parallel > 1 {
+        bail!("eval runs the model unsplit: --tensor-parallel is for generate, chat, serve and bench");
+    }
     Ok(())
 }
 
