@@ -69,4 +69,15 @@ benches default default_again
 echo "== llama-3.1-8b shape, batched (as llama-batched-bench)  (t=${SECONDS}s)"
 timeout 300 "$BIN" bench --device cuda --shape llama-3.1-8b --batch ${BATCHES:-1,2,4,8,16,32,64} -p 512 -n 128 \
     --json 2>&1 | tee "$OUT/batched_8b.jsonl"
+if [ "$gpus" -ge 2 ]; then
+    # Tensor parallelism (issue 16): batch-1 decode of the 8B shape on 1 and 2 GPUs, and the 70B
+    # shape (141 GB in bf16) over every GPU; T_TG / 128 is the time per token.
+    echo "== tensor parallelism  (t=${SECONDS}s)"
+    for tp in 1 2; do
+        timeout 300 "$BIN" bench --device cuda --shape llama-3.1-8b --batch 1,8 -p 512 -n 128 \
+            --tensor-parallel $tp --json 2>&1 | sed "s/^{/{\"tp\":$tp,/" | tee -a "$OUT/tp.jsonl"
+    done
+    timeout 500 "$BIN" bench --device cuda --shape llama-3.1-70b --batch 1,8 -p 512 -n 64 \
+        --tensor-parallel "$gpus" --json 2>&1 | sed "s/^{/{\"tp\":$gpus,\"shape\":\"70b\",/" | tee -a "$OUT/tp.jsonl"
+fi
 echo "== done (t=${SECONDS}s)"

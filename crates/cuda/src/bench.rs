@@ -17,12 +17,14 @@ use crate::dense::{self, DenseModel, DenseWeights, Shape};
 use crate::{kernels, Arg, Gpu};
 
 /// Shapes `--shape` accepts.
-pub const SHAPES: &[&str] = &["llama-3.1-8b", "tiny"];
+pub const SHAPES: &[&str] = &["llama-3.1-8b", "llama-3.1-70b", "tiny"];
 
 /// A llama-style config for a named shape (the same [`ModelConfig`] a loaded model has).
 pub fn shape(name: &str) -> Result<ModelConfig> {
     let (h, ff, nh, nkv, hd, vocab, layers, base, tied) = match name {
         "llama-3.1-8b" => (4096, 14336, 32, 8, 128, 128256, 32, 500000.0, false),
+        // 141 GB in bf16: more than one H200 holds (tensor parallelism's test shape).
+        "llama-3.1-70b" => (8192, 28672, 64, 8, 128, 128256, 80, 500000.0, false),
         "tiny" => (256, 512, 4, 2, 64, 1024, 2, 10000.0, true),
         other => bail!("unknown shape '{other}' (known: {})", SHAPES.join(", ")),
     };

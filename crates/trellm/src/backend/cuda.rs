@@ -63,17 +63,9 @@ impl CudaModel {
             bail!("--device cuda: {}", unavailable_reason());
         }
         let world = tensor_parallel.max(1);
-        let gpus = trellm_cuda::device_count()?;
-        ensure!(
-            world <= gpus,
-            "--tensor-parallel {world}: this machine has {gpus} GPU(s)"
-        );
-        Shard::check(&model.cfg, world)?;
+        let gpus = ranks_gpus(&model.cfg, world)?;
         let cap = capacity.clamp(1, model.cfg.max_context.max(1));
         let prefill = PREFILL_STEP.min(cap.max(MAX_SEQS));
-        let gpus = (0..world)
-            .map(|i| Gpu::new(i).map(Arc::new))
-            .collect::<Result<Vec<_>>>()?;
         let mut ranks = Vec::with_capacity(world);
         for (rank, gpu) in gpus.iter().enumerate() {
             let shard = Shard { rank, world };
@@ -83,7 +75,39 @@ impl CudaModel {
             let plan = trellm_model::Plan::new(&cfg);
             ranks.push(DenseModel::new(gpu.clone(), &cfg, &plan, dw, cap, prefill)?);
         }
-        if world > 1 {
+        Self::join(model.cfg.clone(), &gpus, ranks)
+    }
+
+    /// Seeded synthetic weights of a named shape (`bench --shape`), generated on the device;
+    /// EXL3 layers of a codebook and bitrate with `exl3`; split over `tensor_parallel` GPUs (each
+    /// rank's shard seeded on its own: a timing model, not one whose ranks sum to a whole).
+    pub fn synthetic(
+        shape: &str,
+        capacity: usize,
+        exl3: Option<(trellm_quant::exl3::Codebook, trellm_quant::exl3::Bitrate)>,
+        tensor_parallel: usize,
+    ) -> Result<CudaModel> {
+        if !available() {
+            bail!("--device cuda: {}", unavailable_reason());
+        }
+        let cfg = trellm_cuda::bench::shape(shape)?;
+        let world = tensor_parallel.max(1);
+        let gpus = ranks_gpus(&cfg, world)?;
+        let cap = capacity.max(1);
+        let mut ranks = Vec::with_capacity(world);
+        for (rank, gpu) in gpus.iter().enumerate() {
+            let rcfg = Shard { rank, world }.config(&cfg);
+            let w = DenseWeights::synthetic_with(gpu, &rcfg, 1 + rank as u64, exl3)?;
+            let plan = trellm_model::Plan::new(&rcfg);
+            let prefill = PREFILL_STEP.min(cap.max(MAX_SEQS));
+            ranks.push(DenseModel::new(gpu.clone(), &rcfg, &plan, w, cap, prefill)?);
+        }
+        Self::join(cfg, &gpus, ranks)
+    }
+
+    /// The ranks as one model, their communicators set where there are several.
+    fn join(cfg: ModelConfig, gpus: &[Arc<Gpu>], mut ranks: Vec<DenseModel>) -> Result<CudaModel> {
+        if ranks.len() > 1 {
             let comms =
                 trellm_cuda::nccl::Comm::for_gpus(&gpus.iter().map(|g| &**g).collect::<Vec<_>>())?;
             for (r, c) in ranks.iter_mut().zip(comms) {
@@ -91,40 +115,11 @@ impl CudaModel {
             }
         }
         Ok(CudaModel {
-            cfg: model.cfg.clone(),
+            cfg,
             ranks: ranks
                 .into_iter()
                 .map(|r| Mutex::new(SendDense(r)))
                 .collect(),
-        })
-    }
-
-    /// Seeded synthetic weights of a named shape (`bench --shape`), generated on the device;
-    /// EXL3 layers of a codebook and bitrate with `exl3`.
-    pub fn synthetic(
-        shape: &str,
-        capacity: usize,
-        exl3: Option<(trellm_quant::exl3::Codebook, trellm_quant::exl3::Bitrate)>,
-    ) -> Result<CudaModel> {
-        if !available() {
-            bail!("--device cuda: {}", unavailable_reason());
-        }
-        let gpu = Arc::new(Gpu::new(0)?);
-        let cfg = trellm_cuda::bench::shape(shape)?;
-        let plan = trellm_model::Plan::new(&cfg);
-        let w = DenseWeights::synthetic_with(&gpu, &cfg, 1, exl3)?;
-        let cap = capacity.max(1);
-        let dense = DenseModel::new(
-            gpu,
-            &cfg,
-            &plan,
-            w,
-            cap,
-            PREFILL_STEP.min(cap.max(MAX_SEQS)),
-        )?;
-        Ok(CudaModel {
-            cfg,
-            ranks: vec![Mutex::new(SendDense(dense))],
         })
     }
 
@@ -193,6 +188,17 @@ impl ModelBackend for CudaModel {
             first.ok_or_else(|| anyhow!("no ranks"))
         })
     }
+}
+
+/// GPUs 0..world for the ranks of `cfg`, once the split and the machine allow it.
+fn ranks_gpus(cfg: &ModelConfig, world: usize) -> Result<Vec<Arc<Gpu>>> {
+    let gpus = trellm_cuda::device_count()?;
+    ensure!(
+        world <= gpus,
+        "--tensor-parallel {world}: this machine has {gpus} GPU(s)"
+    );
+    Shard::check(cfg, world)?;
+    (0..world).map(|i| Gpu::new(i).map(Arc::new)).collect()
 }
 
 /// `w` with every ggml-format matrix decoded and rounded to bf16 (the values the GPU holds),

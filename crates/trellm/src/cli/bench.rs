@@ -32,7 +32,8 @@ pub struct BenchArgs {
     /// `--check` the GPU benchmark on synthetic weights / the GPU-against-CPU check.
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
     pub device: Device,
-    /// cuda: synthetic seeded weights of a named shape (llama-3.1-8b, tiny), made on the GPU.
+    /// cuda: synthetic seeded weights of a named shape (llama-3.1-8b, llama-3.1-70b, tiny), made
+    /// on the GPU.
     #[arg(long)]
     pub shape: Option<String>,
     /// cuda: compare the GPU decoder with the CPU decoder on `--model` (weights rounded to bf16)
@@ -50,7 +51,8 @@ pub struct BenchArgs {
     /// (mul1, mcg or 3inst; 1..8, or 1.5, 2.5, 3.5), the head at 6 bits as exllamav3 converts it.
     #[arg(long, value_name = "CODEBOOK:BITS", value_parser = parse_exl3)]
     pub exl3: Option<Exl3Spec>,
-    /// cuda, with `--model`: split the model over GPUs 0..N (tensor parallelism, NCCL).
+    /// cuda, with `--model` or `--shape --batch`: split the model over GPUs 0..N (tensor
+    /// parallelism, NCCL).
     #[arg(long, default_value_t = 1, value_parser = clap::builder::TypedValueParser::map(clap::value_parser!(u16).range(1..=64), usize::from))]
     pub tensor_parallel: usize,
 }
@@ -105,8 +107,13 @@ fn check_sizes(a: &BenchArgs) -> Result<()> {
     if a.exl3.is_some() && (a.device != Device::Cuda || a.shape.is_none()) {
         bail!("--exl3 makes synthetic weights: it needs --device cuda --shape NAME");
     }
-    if a.tensor_parallel > 1 && (a.device != Device::Cuda || a.shape.is_some() || a.check) {
-        bail!("--tensor-parallel measures a --model split over GPUs: it needs --device cuda --model M");
+    if a.tensor_parallel > 1
+        && (a.device != Device::Cuda || a.check || (a.shape.is_some() && a.batch.is_none()))
+    {
+        bail!(
+            "--tensor-parallel splits a model over GPUs: it needs --device cuda with --model M, or \
+             --shape NAME --batch B"
+        );
     }
     Ok(())
 }

@@ -18,8 +18,12 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     }
     if let (Some(sizes), Some(shape)) = (&a.batch, &a.shape) {
         let exl3 = a.exl3.map(|e| (e.codebook, e.rate));
-        let model = cuda::CudaModel::synthetic(shape, a.n_prompt + a.n_gen, exl3)?;
+        let model =
+            cuda::CudaModel::synthetic(shape, a.n_prompt + a.n_gen, exl3, a.tensor_parallel)?;
         super::bench::batched_on(a, &model, &format!("--shape {shape}"), sizes)?;
+        if a.tensor_parallel > 1 {
+            return Ok(());
+        }
         let b = sizes.iter().copied().max().unwrap_or(1);
         let (wall_ms, prof) = profile_batch(&model, b, a.n_prompt)?;
         let obj = serde_json::json!({
@@ -48,7 +52,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         return Ok(());
     }
     let Some(shape) = &a.shape else {
-        bail!("the GPU benchmark needs --shape (llama-3.1-8b, tiny) or --check");
+        bail!("the GPU benchmark needs --shape (llama-3.1-8b, llama-3.1-70b, tiny) or --check");
     };
     let o = trellm_cuda::bench::BenchOptions {
         n_prompt: a.n_prompt.max(1),

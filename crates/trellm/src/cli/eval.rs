@@ -75,7 +75,9 @@ fn check_flags(a: &EvalArgs) -> Result<()> {
         );
     }
     if a.device.tensor_parallel > 1 {
-        bail!("eval runs the model unsplit: --tensor-parallel is for generate, chat, serve and bench");
+        bail!(
+            "eval runs the model unsplit: --tensor-parallel is for generate, chat, serve and bench"
+        );
     }
     Ok(())
 }
