@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU run of the EXL3 path (issue 14): the EXL3 kernel tests and the CUDA-vs-CPU tests
 # (EXL3 folders alone and batched, the bf16 fixtures as regressions), the Llama-3.1-8B-shape
-# benchmark with synthetic EXL3 weights (MUL1 K = 2, 3, 4; bf16 beside), batched at B = 1, 8, 32,
+# benchmark with synthetic EXL3 weights (MUL1 K = 2, 3, 4, exact and int8 fast path; bf16 beside),
+# batched at B = 1, 8, 32,
 # then the per-row-count kernel timing. Binaries and folders from scripts/gpu/carry_tests.sh.
 # run: SRC_ROOT=<checkout the tests were built in> bash scripts/gpu/run_exl3.sh   (results in $OUT)
 set -u
@@ -23,6 +24,8 @@ t() { # name, timeout, test binary args...
 }
 t exl3_rows 120 $DEV/tests/gpu_exl3 --include-ignored --exact row_regimes_match_cpu --nocapture
 t cuda_vs_cpu_exl3 120 $DEV/tests/cuda_vs_cpu --include-ignored --exact exl3_folders_match_the_cpu_alone_and_batched --nocapture
+t exl3_int8 120 $DEV/tests/gpu_exl3 --include-ignored --exact int8_path_matches_cpu_within_its_rounding --nocapture
+t exl3_int8_kl 120 $DEV/tests/cuda_vs_cpu --include-ignored --exact exl3_int8_path_kl_against_the_exact_path --nocapture
 echo "== generate --device cuda on an EXL3 folder, against --device cpu  (t=${SECONDS}s)"
 for d in tests/fixtures/exl3/tiny-llama/*/; do
     for dev in cpu cuda; do
@@ -38,6 +41,7 @@ bench() { # label, extra flags
 bench exl3-mul1-3 --exl3 mul1:3
 bench exl3-mul1-2 --exl3 mul1:2
 bench exl3-mul1-4 --exl3 mul1:4
+for k in 2 3 4; do bench exl3-mul1-$k-int8 --exl3 mul1:$k --exl3-int8; done
 bench bf16
 echo "== batched exl3 mul1:3  (t=${SECONDS}s)"
 timeout 200 "$BIN" bench --device cuda --shape llama-3.1-8b --exl3 mul1:3 --batch 1,8,32 -p 512 -n 64 --json \

@@ -59,6 +59,8 @@ pub struct BenchOptions {
     pub seed: u64,
     /// Every projection and the head as synthetic EXL3 layers of this codebook and bitrate.
     pub exl3: Option<(Codebook, Bitrate)>,
+    /// Decode's MUL1 layers on the fast path (`dense::Options::exl3_int8`).
+    pub exl3_int8: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -178,13 +180,17 @@ pub fn run(shape_name: &str, o: &BenchOptions) -> Result<BenchReport> {
     let bytes = w.matrix_bytes();
     let max_context = o.n_prompt.max(o.context + o.n_gen + 1);
     let plan = Plan::new(&cfg);
-    let mut model = DenseModel::new(
+    let mut model = DenseModel::with_options(
         gpu.clone(),
         &cfg,
         &plan,
         w,
         max_context,
         o.n_prompt.max(o.context),
+        crate::dense::Options {
+            exl3_int8: o.exl3_int8,
+            ..Default::default()
+        },
     )?;
     let tokens: Vec<u32> = (0..max_context as u64)
         .map(|i| ((i.wrapping_mul(2654435761) + 7) % cfg.vocab as u64) as u32)

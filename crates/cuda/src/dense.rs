@@ -617,6 +617,10 @@ pub struct Options {
     pub cluster_ctx: usize,
     /// Elements of the prefill attention's score buffer (f32; bounds the query rows a chunk).
     pub attn_score_budget: usize,
+    /// One-row steps of MUL1 EXL3 layers on the fast path (int8 activations, dp4a), as
+    /// exllamav3's default; off by default: it is not the exact path and is not yet checked
+    /// against the goldens.
+    pub exl3_int8: bool,
 }
 
 impl Default for Options {
@@ -625,6 +629,7 @@ impl Default for Options {
             cluster: 8,
             cluster_ctx: 1024,
             attn_score_budget: 1 << 25,
+            exl3_int8: false,
         }
     }
 }
@@ -905,7 +910,9 @@ impl DenseModel {
         let exl3 = if exl3_layers.is_empty() {
             None
         } else {
-            Some(Exl3Scratch::new(&gpu, &exl3_layers)?)
+            let mut s = Exl3Scratch::new(&gpu, &exl3_layers)?;
+            s.int8 = opts.exl3_int8;
+            Some(s)
         };
         Ok(DenseModel {
             gpu,

@@ -11,7 +11,8 @@
 //!   then the output Hadamard.
 //!
 //! Their one rounding beyond the exact path is the activations' to fp16, as exllamav3 computes
-//! throughout. The exact path ([`Regime::Gemv`]: f32 activations, one row a launch) is the twin
+//! throughout. [`Regime::Int8`] is the fast path for MUL1's one-row steps (int8 activations,
+//! dp4a), off unless asked for. The exact path ([`Regime::Gemv`]: f32 activations, one row a launch) is the twin
 //! they are tested against; its CPU twin is `trellm_quant::exl3::matmul::matmul_tiles`.
 
 use anyhow::{bail, ensure, Result};
@@ -94,6 +95,11 @@ pub enum Regime {
     Mma,
     /// Decode to fp16 in bands, then a cuBLAS tensor-core GEMM.
     Gemm,
+    /// The fast path (MUL1 only), one row a launch (`exl3_q8`, both Hadamards inside): int8
+    /// activations with a scale per 128-block, each weight's decode and product one dp4a; not
+    /// exact (the weights' fp16 rounding is skipped, the activations keep about 7 bits), so only
+    /// where asked for (`dense::Options::exl3_int8`).
+    Int8,
 }
 
 impl Regime {
@@ -114,6 +120,8 @@ const BAND_ELEMS: usize = 64 << 20;
 /// The kernels of one codebook x bitrate module.
 pub struct Exl3Kernels {
     pub input: CudaFunction,
+    /// The fast path's one-row layer (MUL1 modules).
+    pub q8: CudaFunction,
     /// The exact one-row GEMV.
     pub gemv: CudaFunction,
     /// The tensor-core GEMV for up to 8, 16, 32 and 64 rows.
@@ -140,6 +148,7 @@ impl Exl3Kernels {
         let f = |name: &str| gpu.function(src, &d, name);
         Ok(Exl3Kernels {
             input: f("exl3_in")?,
+            q8: f("exl3_q8")?,
             gemv: f("exl3_gemv")?,
             mma: [
                 f("exl3_mma8")?,
@@ -203,6 +212,8 @@ pub struct Exl3Scratch {
     yg: CudaSlice<f32>,
     /// The tensor-core GEMV's finished splits per band (zero between launches).
     counters: CudaSlice<u32>,
+    /// One-row calls of MUL1 layers take the fast path ([`Regime::Int8`]).
+    pub int8: bool,
 }
 
 impl Exl3Scratch {
@@ -231,6 +242,7 @@ impl Exl3Scratch {
             band: gpu.alloc(band)?,
             yg: gpu.alloc(yg)?,
             counters: gpu.alloc(bands)?,
+            int8: false,
         })
     }
 
@@ -453,7 +465,12 @@ impl Exl3Linear {
         y: u64,
         ldy: usize,
     ) -> Result<()> {
-        self.forward_in(gpu, s, Regime::for_rows(m), m, x, y, ldy)
+        let regime = if s.int8 && m == 1 && self.shape.codebook == Codebook::Mul1 {
+            Regime::Int8
+        } else {
+            Regime::for_rows(m)
+        };
+        self.forward_in(gpu, s, regime, m, x, y, ldy)
     }
 
     /// [`Self::forward`] in a given regime (the tests and the crossover's timing).
@@ -480,6 +497,12 @@ impl Exl3Linear {
                     let g = (m - r).min(MMA_ROWS);
                     self.mma_rows(gpu, s, g, x.offset(r), y + (4 * r * ldy) as u64, ldy)?;
                     r += g;
+                }
+                return Ok(());
+            }
+            Regime::Int8 => {
+                for r in 0..m {
+                    self.int8_row(gpu, s, x.offset(r), y + (4 * r * ldy) as u64)?;
                 }
                 return Ok(());
             }
@@ -514,6 +537,43 @@ impl Exl3Linear {
         self.launch_input(gpu, m, x, xh, false)?;
         self.launch_inner_rows(gpu, m, xh, partial, splits, per)?;
         self.launch_output(gpu, m, partial, splits, y, ldy)
+    }
+
+    /// The fast path for one row: one launch (`exl3_q8`), split as the tensor-core GEMV's.
+    fn int8_row(&self, gpu: &Gpu, s: &Exl3Scratch, x: Rows, y: u64) -> Result<()> {
+        ensure!(
+            self.shape.codebook == Codebook::Mul1,
+            "the int8 trellis GEMV is MUL1's, not {:?}'s",
+            self.shape.codebook
+        );
+        let n = self.shape.n;
+        let (splits, per) = mma_split(&self.shape, gpu.sm_count, 1);
+        ensure!(
+            s.partial.len() >= splits * n && s.counters.len() >= n / 128 && 16 * per <= XS_HALVES,
+            "EXL3 scratch too small for a row of {}x{n}",
+            self.shape.k
+        );
+        gpu.launch(
+            &self.k.q8,
+            ((n / 128) as u32, splits as u32, 1),
+            256,
+            &[
+                Arg::Ptr(gpu.ptr(&self.trellis)),
+                Arg::Ptr(x.ptr),
+                Arg::I32(x.bf16 as i32),
+                Arg::I32(self.cols as i32),
+                Arg::Ptr(gpu.ptr(&self.suh)),
+                Arg::Ptr(gpu.ptr(&self.svh)),
+                Arg::Ptr(self.bias.as_ref().map_or(0, |b| gpu.ptr(b))),
+                Arg::Ptr(gpu.ptr(&s.partial)),
+                Arg::Ptr(gpu.ptr(&s.counters)),
+                Arg::Ptr(y),
+                Arg::I32(self.rows as i32),
+                Arg::I32(self.shape.tiles_k() as i32),
+                Arg::I32(self.shape.tiles_n() as i32),
+                Arg::I32(per as i32),
+            ],
+        )
     }
 
     /// The tensor-core GEMV for `m <= MMA_ROWS` rows: one launch, both Hadamards included.

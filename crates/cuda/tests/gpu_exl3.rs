@@ -486,6 +486,44 @@ fn row_regimes_match_cpu() {
     assert_none_failed(failures);
 }
 
+/// The fast path (MUL1, int8 activations per 128-block, dp4a) against the CPU's exact matmul at
+/// every MUL1 rate, on padded and 8B-sized layers, one and several rows (run one at a time):
+/// within its rounding (relative L2 2e-2: the activations keep about 7 bits).
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on the GPU machine"]
+fn int8_path_matches_cpu_within_its_rounding() {
+    let gpu = gpu();
+    let mut failures: Vec<String> = Vec::new();
+    for (i, rate) in all_rates().into_iter().enumerate() {
+        for (j, &(k, n, cols, rows)) in [(640, 1024, 576, 1000), (4096, 1024, 4096, 1024)]
+            .iter()
+            .enumerate()
+        {
+            let h = host(
+                k,
+                n,
+                cols,
+                rows,
+                Codebook::Mul1,
+                rate,
+                90 + (2 * i + j) as u64,
+            );
+            let l = h.upload(&gpu);
+            for m in [1usize, 3] {
+                let x = inputs(&h, m, (7 * i + j + m) as u64);
+                let want = cpu_rows(&h, &x, m);
+                let got = gpu_rows(&gpu, &h, &l, &x, m, m == 1, Regime::Int8);
+                if let Err(e) =
+                    check_within(&got, &want, 2e-2, 0.1, &format!("{} m={m} Int8", label(&h)))
+                {
+                    failures.push(e);
+                }
+            }
+        }
+    }
+    assert_none_failed(failures);
+}
+
 /// Bad parts are errors, not panics.
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on the GPU machine"]
@@ -587,8 +625,11 @@ fn timing() {
                     ld: k,
                 };
                 for &m in row_counts.iter().take_while(|&&m| m <= most) {
-                    for regime in [Regime::Gemv, Regime::Mma, Regime::Gemm] {
-                        if (regime != Regime::Gemm && m > 64) || (regime == Regime::Gemm && m < 2) {
+                    for regime in [Regime::Gemv, Regime::Mma, Regime::Gemm, Regime::Int8] {
+                        if (regime != Regime::Gemm && m > 64)
+                            || (regime == Regime::Gemm && m < 2)
+                            || (regime == Regime::Int8 && (m > 1 || cb != Codebook::Mul1))
+                        {
                             continue;
                         }
                         let full = bench::time_ms(&gpu, 2, 7, || {

@@ -381,3 +381,89 @@ fn multi_gpu_two_ranks_match_one_gpu() {
         }
     }
 }
+
+/// The EXL3 fast path (MUL1 layers' one-row steps with int8 activations through dp4a) against the
+/// exact CPU path on the tiny MUL1 folders, beside the default GPU path (fp16 activations on
+/// tensor cores): mean and largest KL divergence of each step's distribution from the CPU's over
+/// a prefill and 24 decode steps fed the CPU's greedy ids, and how many greedy ids agree.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --ignored on the GPU machine"]
+fn exl3_int8_path_kl_against_the_exact_path() {
+    use std::sync::Arc;
+    use trellm::backend::SoloSequence;
+    use trellm_model::Want;
+    let kl = |p: &[f32], q: &[f32]| -> f64 {
+        let lse = |v: &[f32]| {
+            let m = v.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
+            m + v.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln()
+        };
+        let (lp, lq) = (lse(p), lse(q));
+        p.iter()
+            .zip(q)
+            .map(|(&a, &b)| {
+                let la = a as f64 - lp;
+                la.exp() * (la - (b as f64 - lq))
+            })
+            .sum()
+    };
+    let argmax = |v: &[f32]| (0..v.len()).max_by(|&a, &b| v[a].total_cmp(&v[b])).unwrap() as u32;
+    let dirs: Vec<_> = exl3_tiny_folders()
+        .into_iter()
+        .filter(|d| d.file_name().unwrap().to_string_lossy().starts_with("mul1"))
+        .collect();
+    assert!(!dirs.is_empty(), "no MUL1 folders");
+    for dir in dirs {
+        let m = trellm::model::load::load(&dir).unwrap();
+        let vocab = m.model.cfg.vocab;
+        let prompt: Vec<u32> = (0..12u32).map(|i| (i * 37 + 11) % vocab as u32).collect();
+        let steps = 24;
+        // The CPU's logits and greedy ids.
+        let mut seq = SoloSequence::new(&*m.model, 64).unwrap();
+        let mut want = vec![seq.forward(&prompt, Want::Last).unwrap()];
+        let mut ids = Vec::new();
+        for _ in 0..steps {
+            let id = argmax(want.last().unwrap());
+            ids.push(id);
+            want.push(seq.forward(&[id], Want::Last).unwrap());
+        }
+        let gpu = Arc::new(trellm_cuda::Gpu::new(0).unwrap());
+        let mut report = Vec::new();
+        for int8 in [false, true] {
+            let opts = trellm_cuda::dense::Options {
+                exl3_int8: int8,
+                ..Default::default()
+            };
+            let mut d = cuda::upload_with(gpu.clone(), &m.model, 64, 64, opts).unwrap();
+            d.prefill(&prompt).unwrap();
+            let mut got = vec![d.logits().unwrap()];
+            for &id in &ids {
+                d.set_next_token(id).unwrap();
+                d.decode_step().unwrap();
+                got.push(d.logits().unwrap());
+            }
+            let kls: Vec<f64> = want.iter().zip(&got).map(|(p, q)| kl(p, q)).collect();
+            let mean = kls.iter().sum::<f64>() / kls.len() as f64;
+            let max = kls.iter().cloned().fold(0.0, f64::max);
+            let same = want
+                .iter()
+                .zip(&got)
+                .filter(|(p, q)| argmax(p) == argmax(q))
+                .count();
+            assert!(
+                kls.iter().all(|k| k.is_finite()) && max < 1.0,
+                "{}: int8 {int8}: KL {kls:?}",
+                dir.display()
+            );
+            report.push(format!(
+                "{}: mean KL {mean:.2e}, max {max:.2e}, same greedy id {same}/{}",
+                if int8 {
+                    "int8 fast path"
+                } else {
+                    "default (fp16 tensor cores)"
+                },
+                want.len()
+            ));
+        }
+        eprintln!("{}: {}", dir.display(), report.join("; "));
+    }
+}

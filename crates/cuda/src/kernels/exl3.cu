@@ -7,7 +7,9 @@
 //
 // Three launches: exl3_in (x * suh, H128 -> xh), exl3_gemv (decode in registers, f32 partial sums
 // over a k-split), exl3_out (the partial sums in a fixed order, H128, * svh, + bias). The split is
-// summed in order, never with atomics, so runs are bit-identical.
+// summed in order, never with atomics, so runs are bit-identical. Beside them: the tensor-core
+// GEMV for up to 64 rows (exl3_mma*), the GEMM path's decode to fp16 (exl3_dequant), and MUL1's
+// fast path for one row (exl3_q8: int8 activations, dp4a).
 //
 // Measured on the H200 (scripts/gpu/results/2026-12-01-exl3-run1, -run2): ~34 us for a 4096x14336 layer at
 // K = 2, 3 and 4 and every codebook, so the cost is per weight (integer decode issue), not bytes.
@@ -199,22 +201,12 @@ __device__ __forceinline__ void had128(float (&v)[4], int lane) {
     for (int i = 0; i < 4; i++) v[i] = __fmul_rn(v[i], __uint_as_float(0x3DB504F3u));
 }
 
-// xh[r] = H128(x[r] * suh) for the m rows r = blockIdx.y, x zero-extended from `cols` to `k` (the
-// model's padding to 128s). x is f32 or bf16 (x_bf16), row stride ldx; xh is f32 (the exact
-// path) or fp16 (xh_f16: the tensor-core GEMM's operand; clamped to fp16's range, as a real
-// activation beyond it would already be inf in exllamav3's fp16). One warp per 128-block; blocks
-// of 4 warps.
-extern "C" __global__ void __launch_bounds__(128) exl3_in(const void* __restrict__ x, int x_bf16,
-                                                          int ldx, int cols,
-                                                          const float* __restrict__ suh,
-                                                          void* __restrict__ xh, int xh_f16, int k) {
-    const int lane = threadIdx.x & 31;
-    const int blk = blockIdx.x * 4 + (threadIdx.x >> 5);
-    const long long r = blockIdx.y;
-    if (blk * 128 >= k) return;
-    const int c0 = blk * 128 + 4 * lane;
+// v = H128(x[r] * suh) over inputs c0 - 4 lane .. + 128 (this lane's four from c0), x zero-
+// extended from `cols` (the model's padding to 128s); x is f32 or bf16 (x_bf16), row stride ldx.
+__device__ __forceinline__ void rotate_in(const void* __restrict__ x, int x_bf16, int ldx, int cols,
+                                          const float* __restrict__ suh, long long r, int c0,
+                                          int lane, float (&v)[4]) {
     const long long xo = r * ldx + c0;
-    float v[4];
     const void* xp = x_bf16 ? (const void*)((const bf16*)x + xo) : (const void*)((const float*)x + xo);
     if (c0 + 3 < cols && ((u64)xp & (x_bf16 ? 7 : 15)) == 0) {
         // Four inputs in one load.
@@ -239,6 +231,24 @@ extern "C" __global__ void __launch_bounds__(128) exl3_in(const void* __restrict
         }
     }
     had128(v, lane);
+}
+
+// xh[r] = H128(x[r] * suh) for the m rows r = blockIdx.y, x zero-extended from `cols` to `k` (the
+// model's padding to 128s). x is f32 or bf16 (x_bf16), row stride ldx; xh is f32 (the exact
+// path) or fp16 (xh_f16: the tensor-core GEMM's operand; clamped to fp16's range, as a real
+// activation beyond it would already be inf in exllamav3's fp16). One warp per 128-block; blocks
+// of 4 warps.
+extern "C" __global__ void __launch_bounds__(128) exl3_in(const void* __restrict__ x, int x_bf16,
+                                                          int ldx, int cols,
+                                                          const float* __restrict__ suh,
+                                                          void* __restrict__ xh, int xh_f16, int k) {
+    const int lane = threadIdx.x & 31;
+    const int blk = blockIdx.x * 4 + (threadIdx.x >> 5);
+    const long long r = blockIdx.y;
+    if (blk * 128 >= k) return;
+    const int c0 = blk * 128 + 4 * lane;
+    float v[4];
+    rotate_in(x, x_bf16, ldx, cols, suh, r, c0, lane, v);
     const long long o = r * k + c0;
     if (xh_f16) {
         u32 h01, h23;
@@ -336,6 +346,47 @@ EXL3_GEMV(exl3_gemv, 1)
 // 8)).
 #define XS_HALVES 24320
 
+// After a block wrote its split's partial[split][r][band's 128 outputs]: the band's last block to
+// finish (a counter per band, reset by that block for the next launch) sums the band's partials in
+// split order (so runs are bit-identical), rotates them back (H128), scales by svh, adds the bias.
+__device__ __forceinline__ void finish_band(const float* __restrict__ partial,
+                                            u32* __restrict__ counters,
+                                            const float* __restrict__ svh,
+                                            const float* __restrict__ bias, float* __restrict__ y,
+                                            int ldy, int rows, long long n, int m) {
+    __shared__ int last;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int splits = gridDim.y;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(&counters[blockIdx.x], 1u) == (u32)(splits - 1);
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int r = warp; r < m; r += EXL3_WARPS) {
+        const long long c0 = (long long)blockIdx.x * 128 + 4 * lane;
+        float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int s = 0; s < splits; s++) {
+            const float4 p = __ldcg((const float4*)(partial + ((long long)s * m + r) * n + c0));
+            v[0] += p.x;
+            v[1] += p.y;
+            v[2] += p.z;
+            v[3] += p.w;
+        }
+        had128(v, lane);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int c = (int)c0 + i;
+            if (c < rows) {
+                float o = __fmul_rn(v[i], svh[c]);
+                if (bias) o = __fadd_rn(o, bias[c]);
+                y[(long long)r * ldy + c] = o;
+            }
+        }
+    }
+    if (threadIdx.x == 0) counters[blockIdx.x] = 0u;
+}
+
 // The whole layer for m <= 16 MT rows (m <= 8 unless FULL) in one launch, on tensor cores:
 //   y[r][c] = (H128(sum over splits of xh[r] . W_inner) * svh + bias)[c]
 // Prologue: the block rotates its split's inputs of every row, xh = H128(x * suh) rounded to
@@ -355,7 +406,6 @@ __device__ __forceinline__ void mma_layer(const u32* __restrict__ trellis, const
                                           float* __restrict__ y, int ldy, int rows, int tiles_k,
                                           int tiles_n, int tk_per_split, int m) {
     __shared__ __align__(16) unsigned short xs[XS_HALVES];
-    __shared__ int last;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int tn = blockIdx.x * EXL3_WARPS + warp;
     const int tk0 = blockIdx.y * tk_per_split;
@@ -363,7 +413,6 @@ __device__ __forceinline__ void mma_layer(const u32* __restrict__ trellis, const
     const int kw = 16 * (tk1 - tk0);
     // Row stride of xs: 8 halves of padding put the 8 rows an A load reads in distinct banks.
     const int ks = kw + 8;
-    const int splits = gridDim.y;
     const long long n = (long long)tiles_n * 16;
 
     // xs[r][0..kw) = fp16(H128(x[r] * suh)) over this split's inputs.
@@ -490,35 +539,7 @@ __device__ __forceinline__ void mma_layer(const u32* __restrict__ trellis, const
                 }
             }
 
-    // The band's last block finishes it.
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(&counters[blockIdx.x], 1u) == (u32)(splits - 1);
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    for (int r = warp; r < m; r += EXL3_WARPS) {
-        const long long c0 = (long long)blockIdx.x * 128 + 4 * lane;
-        float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        for (int s = 0; s < splits; s++) {
-            const float4 p = __ldcg((const float4*)(partial + ((long long)s * m + r) * n + c0));
-            v[0] += p.x;
-            v[1] += p.y;
-            v[2] += p.z;
-            v[3] += p.w;
-        }
-        had128(v, lane);
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const int c = (int)c0 + i;
-            if (c < rows) {
-                float o = __fmul_rn(v[i], svh[c]);
-                if (bias) o = __fadd_rn(o, bias[c]);
-                y[(long long)r * ldy + c] = o;
-            }
-        }
-    }
-    if (threadIdx.x == 0) counters[blockIdx.x] = 0u;
+    finish_band(partial, counters, svh, bias, y, ldy, rows, n, m);
 }
 
 #define EXL3_MMA(name, MT, FULL, MIN_BLOCKS)                                                      \
@@ -538,6 +559,124 @@ EXL3_MMA(exl3_mma8, 1, false, MMA_MIN_BLOCKS)
 EXL3_MMA(exl3_mma16, 1, true, MMA_MIN_BLOCKS)
 EXL3_MMA(exl3_mma32, 2, true, 1)
 EXL3_MMA(exl3_mma64, 4, true, 1)
+
+// The fast path (MUL1 only): one row's whole layer in one launch, as exllamav3's default int8
+// GEMV computes it. Prologue: the block rotates its split's inputs, xq = H128(x * suh) as int8
+// with one scale per 128-block (qs = max |v| / 127), into shared memory. A MUL1 weight is affine
+// in the byte sum s of its state's product, w ~ A s + B (A = 1774 / 2^18, B = 1024 A - 1329 / 128;
+// the codec rounds that to fp16, this path does not), so one dp4a of the product's bytes against
+// the activation's splat gives s * xq, and
+//   sum_k w_k x_k ~ sum_blocks qs[b] (A sum_k s_k xq_k + B sum_k xq_k).
+// Tiles are loaded and shared as in the tensor-core GEMV; lane L sums inputs 2(L&3) + {0, 1, 8, 9}
+// of columns L/4 and L/4 + 8 of its warp's tile column. Epilogue: finish_band. Grid (n / 128,
+// splits), 8 warps. Other codebooks have no such form and never launch it.
+#define MUL1_A (1774.0f / 262144.0f)
+#define MUL1_B (1024.0f * (1774.0f / 262144.0f) - 1329.0f / 128.0f)
+extern "C" __global__ void __launch_bounds__(256, MMA_MIN_BLOCKS)
+exl3_q8(const u32* __restrict__ trellis, const void* __restrict__ x, int x_bf16, int cols,
+        const float* __restrict__ suh, const float* __restrict__ svh,
+        const float* __restrict__ bias, float* __restrict__ partial, u32* __restrict__ counters,
+        float* __restrict__ y, int rows, int tiles_k, int tiles_n, int tk_per_split) {
+#if EXL3_CB == 2
+    __shared__ __align__(16) signed char xq[XS_HALVES];
+    __shared__ float qs[XS_HALVES / 128];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int tn = blockIdx.x * EXL3_WARPS + warp;
+    const int tk0 = blockIdx.y * tk_per_split;
+    const int tk1 = min(tk0 + tk_per_split, tiles_k);
+    const int kw = 16 * (tk1 - tk0);
+    const long long n = (long long)tiles_n * 16;
+    for (int b = warp; b < kw / 128; b += EXL3_WARPS) {
+        float v[4];
+        rotate_in(x, x_bf16, cols, cols, suh, 0, 16 * tk0 + 128 * b + 4 * lane, lane, v);
+        const float amax =
+            warp_max(fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3]))));
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        u32 packed = 0;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int q = max(-127, min(127, __float2int_rn(v[i] * inv)));
+            packed |= ((u32)q & 0xffu) << (8 * i);
+        }
+        *(u32*)&xq[128 * b + 4 * lane] = packed;
+        if (lane == 0) qs[b] = amax / 127.0f;
+    }
+    __syncthreads();
+
+    const LaneWords g = lane_words(lane);
+    const int row0 = 2 * (lane & 3);
+    const long long stride = (long long)tiles_n * TILE_WORDS;
+    const u32* tl = trellis + ((long long)tk0 * tiles_n + tn) * TILE_WORDS + lane;
+    float acc0 = 0.0f, acc1 = 0.0f, accx = 0.0f;
+    const auto load = [&](const u32* p, u32 (&w)[MMA_DEPTH][OWN]) {
+#pragma unroll
+        for (int d = 0; d < MMA_DEPTH; d++)
+#pragma unroll
+            for (int o = 0; o < OWN; o++)
+                w[d][o] = (32 * o + lane < TILE_WORDS) ? __ldg(p + d * stride + 32 * o) : 0u;
+    };
+    const auto step = [&](const u32 (&w)[MMA_DEPTH][OWN], int tk) {
+#pragma unroll
+        for (int d = 0; d < MMA_DEPTH; d++) {
+            u32 cur[NLOAD];
+#pragma unroll
+            for (int i = 0; i < NLOAD; i++) {
+                const int src = g.idx[i];
+                if (OWN == 1) {
+                    cur[i] = __shfl_sync(FULL_MASK, w[d][0], src);
+                } else {
+                    const u32 lo = __shfl_sync(FULL_MASK, w[d][0], src & 31);
+                    const u32 hi = __shfl_sync(FULL_MASK, w[d][OWN - 1], src & 31);
+                    cur[i] = src < 32 ? lo : hi;
+                }
+            }
+            u32 st[8];
+            states8(cur, g.shift, st);
+            const int o = 16 * (tk + d - tk0);
+            const u32 x4 = *(const unsigned short*)&xq[o + row0] |
+                           ((u32) * (const unsigned short*)&xq[o + row0 + 8] << 16);
+            int d0 = 0, d1 = 0, dx;
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const u32 splat = __byte_perm(x4, 0u, j * 0x1111u);
+                asm("dp4a.u32.s32 %0, %1, %2, %0;" : "+r"(d0) : "r"(st[j] * 0x83DCD12Du), "r"(splat));
+                asm("dp4a.u32.s32 %0, %1, %2, %0;" : "+r"(d1) : "r"(st[4 + j] * 0x83DCD12Du), "r"(splat));
+            }
+            asm("dp4a.s32.u32 %0, %1, %2, %3;" : "=r"(dx) : "r"(x4), "r"(0x01010101u), "r"(0));
+            const float q = qs[o >> 7];
+            acc0 = fmaf(q, (float)d0, acc0);
+            acc1 = fmaf(q, (float)d1, acc1);
+            accx = fmaf(q, (float)dx, accx);
+        }
+    };
+    // Two buffers of MMA_DEPTH tile rows in turn, as the tensor-core GEMV (its split: whole pairs
+    // of steps).
+    u32 wa[MMA_DEPTH][OWN], wb[MMA_DEPTH][OWN];
+    load(tl, wa);
+    for (int tk = tk0; tk < tk1; tk += 2 * MMA_DEPTH) {
+        load(tl + MMA_DEPTH * stride, wb);
+        step(wa, tk);
+        if (tk + 2 * MMA_DEPTH < tk1) load(tl + 2 * MMA_DEPTH * stride, wa);
+        step(wb, tk + MMA_DEPTH);
+        tl += 2 * MMA_DEPTH * stride;
+    }
+    // The 4 lanes of a column, in a fixed order.
+#pragma unroll
+    for (int m = 1; m <= 2; m <<= 1) {
+        acc0 += __shfl_xor_sync(FULL_MASK, acc0, m);
+        acc1 += __shfl_xor_sync(FULL_MASK, acc1, m);
+        accx += __shfl_xor_sync(FULL_MASK, accx, m);
+    }
+    if ((lane & 3) == 0) {
+        float* p = partial + (long long)blockIdx.y * n + tn * 16 + (lane >> 2);
+        p[0] = fmaf(MUL1_A, acc0, MUL1_B * accx);
+        p[8] = fmaf(MUL1_A, acc1, MUL1_B * accx);
+    }
+    finish_band(partial, counters, svh, bias, y, rows, rows, n, 1);
+#else
+    __trap();
+#endif
+}
 
 // y[r][c] = H128(sum of the splits' partials of row r)[c] * svh[c] (+ bias[c]) for c < rows, the
 // m rows r = blockIdx.y; partial is [split][m][n], y has row stride ldy. One warp per 128

@@ -97,6 +97,7 @@ pub const EXL3: KernelSource = KernelSource {
     functions: &[
         "exl3_in",
         "exl3_gemv",
+        "exl3_q8",
         "exl3_mma8",
         "exl3_mma16",
         "exl3_mma32",

@@ -27,8 +27,27 @@ pub fn upload(
     max_context: usize,
     max_prefill: usize,
 ) -> Result<DenseModel> {
+    upload_with(gpu, model, max_context, max_prefill, Default::default())
+}
+
+/// [`upload`] with the decoder's options.
+pub fn upload_with(
+    gpu: Arc<Gpu>,
+    model: &CpuModel,
+    max_context: usize,
+    max_prefill: usize,
+    opts: trellm_cuda::dense::Options,
+) -> Result<DenseModel> {
     let w = DenseWeights::upload(&gpu, &model.cfg, &model.weights)?;
-    DenseModel::new(gpu, &model.cfg, &model.plan, w, max_context, max_prefill)
+    DenseModel::with_options(
+        gpu,
+        &model.cfg,
+        &model.plan,
+        w,
+        max_context,
+        max_prefill,
+        opts,
+    )
 }
 
 /// The GPU decoder behind the step contract: ragged batches of many sequences over a paged KV

@@ -61,6 +61,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         repetitions: a.repetitions,
         seed: 1,
         exl3: a.exl3.map(|e| (e.codebook, e.rate)),
+        exl3_int8: a.exl3_int8,
     };
     let r = trellm_cuda::bench::run(shape, &o)?;
     let copy = r.copy_bytes_per_s;
@@ -68,6 +69,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         "device": r.device,
         "shape": r.shape,
         "weights": a.exl3.map_or("bf16".to_string(), |e| format!("exl3 {:?} {} bits (head 6)", e.codebook, e.rate.bits())),
+        "exl3_int8": a.exl3_int8,
         "copy_tb_s": copy / 1e12,
         "gemm_bf16_tflop_s": r.gemm_flops_bf16_out / 1e12,
         "gemm_bf16_f32out_tflop_s": r.gemm_flops_f32_out / 1e12,
