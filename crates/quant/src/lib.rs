@@ -6,5 +6,5 @@
 pub mod exl3;
 pub mod ggml;
 
-pub use ggml::dot::{dot_block, dot_rows};
+pub use ggml::dot::{dot_block, dot_block_to, dot_rows};
 pub use ggml::{dequantize, dequantize_row, GgmlType, QuantError};

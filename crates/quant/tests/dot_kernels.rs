@@ -3,7 +3,7 @@
 
 use half::{bf16, f16};
 use trellm_quant::ggml::dot::{
-    available_levels, best_level, dot_block, dot_block_with, dot_rows, Level,
+    available_levels, best_level, dot_block, dot_block_to, dot_block_with, dot_rows, Level,
 };
 use trellm_quant::ggml::{dequantize, GgmlType};
 
@@ -322,6 +322,17 @@ fn levels_agree_closely_and_entry_points_are_consistent() {
         let mut forced = vec![0f32; m * n];
         dot_block_with(best_level(), ty, &w, m, &x, n, &mut forced);
         assert_eq!(best, forced, "{}", ty.name());
+        // Written activation-row-major into a wider output: the same values, the rest untouched.
+        let ld = m + 3;
+        let mut to = vec![f32::NAN; n * ld];
+        // SAFETY: `to` holds n rows of ld >= m values.
+        unsafe { dot_block_to(ty, &w, m, &x, n, to.as_mut_ptr(), ld) };
+        for t in 0..n {
+            for i in 0..m {
+                assert_eq!(to[t * ld + i], best[i * n + t], "{}", ty.name());
+            }
+            assert!(to[t * ld + m..(t + 1) * ld].iter().all(|v| v.is_nan()));
+        }
         // dot_rows on each row alone gives the same as the row inside a block (the tile shape
         // changes, so allow rounding).
         let rb = w.len() / m;

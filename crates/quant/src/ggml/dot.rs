@@ -132,12 +132,53 @@ pub fn dot_block_with(
     n: usize,
     out: &mut [f32],
 ) {
-    assert!(ty.is_supported(), "dot: unsupported type {}", ty.name());
     assert_eq!(
         Some(out.len()),
         m.checked_mul(n),
         "dot: out must hold m × n values"
     );
+    // SAFETY: out holds the m × n values written at i * n + t, and is borrowed exclusively.
+    unsafe { dot_block_raw(level, ty, rows, m, x, n, out.as_mut_ptr(), n, 1) }
+}
+
+/// [`dot_block`] writing activation-row-major, as a matmul's output: `out[t * ld + i]` (for
+/// `ld` >= `m`). Parallel tasks over disjoint weight rows can then fill one token-major result
+/// in place, with the same arithmetic as [`dot_block`].
+///
+/// # Safety
+/// `out` is valid for writes at `t * ld + i` for every `t < n`, `i < m`, and nothing else reads
+/// or writes those elements during the call.
+pub unsafe fn dot_block_to(
+    ty: GgmlType,
+    rows: &[u8],
+    m: usize,
+    x: &[f32],
+    n: usize,
+    out: *mut f32,
+    ld: usize,
+) {
+    assert!(n <= 1 || ld >= m, "dot: ld {ld} is below m = {m}");
+    dot_block_raw(best_level(), ty, rows, m, x, n, out, 1, ld)
+}
+
+/// Validates and runs one problem, writing `out[i * oi + t * ot]`.
+///
+/// # Safety
+/// `out` is valid for writes at every `i * oi + t * ot` (`i < m`, `t < n`), and nothing else
+/// accesses those elements during the call.
+#[allow(clippy::too_many_arguments)]
+unsafe fn dot_block_raw(
+    level: Level,
+    ty: GgmlType,
+    rows: &[u8],
+    m: usize,
+    x: &[f32],
+    n: usize,
+    out: *mut f32,
+    oi: usize,
+    ot: usize,
+) {
+    assert!(ty.is_supported(), "dot: unsupported type {}", ty.name());
     if m == 0 {
         assert!(rows.is_empty(), "dot: m == 0 but rows is not empty");
         return;
@@ -163,17 +204,19 @@ pub fn dot_block_with(
     if n == 0 {
         return;
     }
-    if cols == 0 {
-        out.fill(0.0);
-        return;
-    }
     let shape = Shape {
         ty,
         row_bytes,
         m,
         cols,
         n,
+        oi,
+        ot,
     };
+    if cols == 0 {
+        shape.for_each_out(out, |o| *o = 0.0);
+        return;
+    }
     match level {
         Level::Scalar => scalar::run(&shape, rows, x, out),
         #[cfg(target_arch = "x86_64")]
@@ -181,14 +224,14 @@ pub fn dot_block_with(
             // Levels are ordered: the best available one implies every lower one.
             assert!(level <= best_level(), "dot: this CPU lacks AVX2/FMA/F16C");
             // SAFETY: the features were just checked; lengths were validated above.
-            let done = unsafe { avx2::run(&shape, rows.as_ptr(), x.as_ptr(), out.as_mut_ptr()) };
+            let done = avx2::run(&shape, rows.as_ptr(), x.as_ptr(), out);
             float_tail(&shape, done, rows, x, out);
         }
         #[cfg(target_arch = "x86_64")]
         Level::Avx512 => {
             assert!(level <= best_level(), "dot: this CPU lacks AVX-512 F/BW/VL");
             // SAFETY: as above.
-            let done = unsafe { avx512::run(&shape, rows.as_ptr(), x.as_ptr(), out.as_mut_ptr()) };
+            let done = avx512::run(&shape, rows.as_ptr(), x.as_ptr(), out);
             float_tail(&shape, done, rows, x, out);
         }
         #[cfg(not(target_arch = "x86_64"))]
@@ -197,13 +240,37 @@ pub fn dot_block_with(
 }
 
 /// A validated problem: `m` rows of `row_bytes` bytes (`cols` values each) against `n` activation
-/// rows of `cols` values.
+/// rows of `cols` values; the result of weight row `i` and activation row `t` goes to
+/// `out[i * oi + t * ot]`.
 struct Shape {
     ty: GgmlType,
     row_bytes: usize,
     m: usize,
     cols: usize,
     n: usize,
+    oi: usize,
+    ot: usize,
+}
+
+impl Shape {
+    /// Runs `f` on the output of weight row `i` and activation row `t`.
+    ///
+    /// # Safety
+    /// `out` is valid as [`dot_block_raw`] requires.
+    #[inline]
+    unsafe fn at(&self, out: *mut f32, i: usize, t: usize) -> *mut f32 {
+        out.add(i * self.oi + t * self.ot)
+    }
+
+    /// # Safety
+    /// As [`Shape::at`].
+    unsafe fn for_each_out(&self, out: *mut f32, mut f: impl FnMut(&mut f32)) {
+        for i in 0..self.m {
+            for t in 0..self.n {
+                f(&mut *self.at(out, i, t));
+            }
+        }
+    }
 }
 
 /// Splits an `m` × `n` problem into register tiles and calls `tile(i0, mr, t0, nr)` for weight
@@ -251,8 +318,11 @@ fn decoder(ty: GgmlType) -> fn(&[u8], &mut [f32]) {
 
 /// The SIMD paths cover float rows (block length 1) in whole vectors only; this adds the last
 /// `cols - done` columns, decoded exactly, into `out`.
+///
+/// # Safety
+/// `out` is valid as [`dot_block_raw`] requires.
 #[cfg(target_arch = "x86_64")]
-fn float_tail(s: &Shape, done: usize, rows: &[u8], x: &[f32], out: &mut [f32]) {
+unsafe fn float_tail(s: &Shape, done: usize, rows: &[u8], x: &[f32], out: *mut f32) {
     if done == s.cols {
         return;
     }
@@ -263,9 +333,9 @@ fn float_tail(s: &Shape, done: usize, rows: &[u8], x: &[f32], out: &mut [f32]) {
     let w = &mut buf[..len];
     for (i, row) in rows.chunks_exact(s.row_bytes).enumerate() {
         decoder(s.ty)(&row[done * bb..], w);
-        for (t, o) in out[i * s.n..(i + 1) * s.n].iter_mut().enumerate() {
+        for t in 0..s.n {
             let xt = &x[t * s.cols + done..(t + 1) * s.cols];
-            *o += w.iter().zip(xt).map(|(a, b)| a * b).sum::<f32>();
+            *s.at(out, i, t) += w.iter().zip(xt).map(|(a, b)| a * b).sum::<f32>();
         }
     }
 }

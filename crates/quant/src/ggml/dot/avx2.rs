@@ -557,7 +557,8 @@ unsafe fn tile<F: Fmt, const MR: usize, const NR: usize, const KA: usize>(
     x: *const f32,
     cols: usize,
     out: *mut f32,
-    ldo: usize,
+    oi: usize,
+    ot: usize,
 ) {
     let mut acc = [[[_mm256_setzero_ps(); KA]; NR]; MR];
     let mut sc = core::mem::MaybeUninit::<[[f32; SC]; MR]>::uninit();
@@ -615,7 +616,7 @@ unsafe fn tile<F: Fmt, const MR: usize, const NR: usize, const KA: usize>(
             for k in 1..KA {
                 s = _mm256_add_ps(s, acc[i][t][k]);
             }
-            *out.add(i * ldo + t) = hsum(s);
+            *out.add(i * oi + t * ot) = hsum(s);
         }
     }
 }
@@ -635,11 +636,11 @@ unsafe fn run_fmt<F: Fmt>(s: &Shape, w: *const u8, x: *const f32, out: *mut f32)
             let (wp, xp, op) = (
                 w.add(i0 * s.row_bytes),
                 x.add(t0 * s.cols),
-                out.add(i0 * s.n + t0),
+                out.add(i0 * s.oi + t0 * s.ot),
             );
             macro_rules! go {
                 ($mr:literal, $nr:literal, $ka:literal) => {
-                    tile::<F, $mr, $nr, $ka>(wp, s.row_bytes, nb, xp, s.cols, op, s.n)
+                    tile::<F, $mr, $nr, $ka>(wp, s.row_bytes, nb, xp, s.cols, op, s.oi, s.ot)
                 };
             }
             match (mr, nr) {

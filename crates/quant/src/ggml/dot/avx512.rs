@@ -539,7 +539,7 @@ const GROUP: usize = 32;
 const SC: usize = 2 * GROUP + 8;
 
 /// `MR` weight rows (stride `rb` bytes, `nb` blocks each) against `NR` activation rows (stride
-/// `cols`); writes `out[i * ldo + t]`. Each chunk is decoded once for all `NR` rows and each
+/// `cols`); writes `out[i * oi + t * ot]`. Each chunk is decoded once for all `NR` rows and each
 /// activation load serves all `MR` rows. `KA` accumulators per dot: 2 when the tile alone has
 /// too few independent FMA chains to hide their latency.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
@@ -551,7 +551,8 @@ unsafe fn tile<F: Fmt, const MR: usize, const NR: usize, const KA: usize>(
     x: *const f32,
     cols: usize,
     out: *mut f32,
-    ldo: usize,
+    oi: usize,
+    ot: usize,
 ) {
     let mut acc = [[[_mm512_setzero_ps(); KA]; NR]; MR];
     // Per-row converted scales of the current group; written before being read, so left
@@ -610,7 +611,7 @@ unsafe fn tile<F: Fmt, const MR: usize, const NR: usize, const KA: usize>(
             for k in 1..KA {
                 s = _mm512_add_ps(s, acc[i][t][k]);
             }
-            *out.add(i * ldo + t) = _mm512_reduce_add_ps(s);
+            *out.add(i * oi + t * ot) = _mm512_reduce_add_ps(s);
         }
     }
 }
@@ -628,11 +629,11 @@ unsafe fn run_fmt<F: Fmt>(s: &Shape, w: *const u8, x: *const f32, out: *mut f32)
         let (wp, xp, op) = (
             w.add(i0 * s.row_bytes),
             x.add(t0 * s.cols),
-            out.add(i0 * s.n + t0),
+            out.add(i0 * s.oi + t0 * s.ot),
         );
         macro_rules! go {
             ($mr:literal, $nr:literal, $ka:literal) => {
-                tile::<F, $mr, $nr, $ka>(wp, s.row_bytes, nb, xp, s.cols, op, s.n)
+                tile::<F, $mr, $nr, $ka>(wp, s.row_bytes, nb, xp, s.cols, op, s.oi, s.ot)
             };
         }
         // KA = 2 where the tile has too few accumulators to cover the FMA latency.

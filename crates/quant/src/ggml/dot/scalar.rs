@@ -6,22 +6,21 @@ use super::{decoder, Shape};
 /// Values decoded per step: a multiple of every block length.
 const RUN: usize = 256;
 
-pub(super) fn run(s: &Shape, rows: &[u8], x: &[f32], out: &mut [f32]) {
+/// # Safety
+/// `out` is valid for the writes `s` describes.
+pub(super) unsafe fn run(s: &Shape, rows: &[u8], x: &[f32], out: *mut f32) {
     let decode = decoder(s.ty);
     let run_bytes = RUN / s.ty.block_len() * s.ty.block_bytes();
     let mut buf = [0f32; RUN];
-    out.fill(0.0);
-    for (row, out) in rows
-        .chunks_exact(s.row_bytes)
-        .zip(out.chunks_exact_mut(s.n))
-    {
+    s.for_each_out(out, |o| *o = 0.0);
+    for (i, row) in rows.chunks_exact(s.row_bytes).enumerate() {
         for (k, src) in row.chunks(run_bytes).enumerate() {
             let w = &mut buf[..src.len() / s.ty.block_bytes() * s.ty.block_len()];
             decode(src, w);
             let c0 = k * RUN;
-            for (t, o) in out.iter_mut().enumerate() {
+            for t in 0..s.n {
                 let xt = &x[t * s.cols + c0..t * s.cols + c0 + w.len()];
-                *o += dot(w, xt);
+                *s.at(out, i, t) += dot(w, xt);
             }
         }
     }

@@ -142,28 +142,44 @@ fn matmul_on(x: &[f32], n: usize, w: &Matrix, y: &mut [f32], gemm: bool) {
     if gemm {
         return matmul_gemm(x, n, w, y);
     }
-    // Weight-row-major result blocks, transposed into token-major output at the end.
-    let mut yt = vec![0.0f32; n * rows];
-    yt.par_chunks_mut(ROWS_PER_TASK * n)
-        .enumerate()
-        .for_each_init(Vec::new, |tmp, (chunk, out)| {
+    // Each task's weight rows write their columns of the token-major output in place.
+    let out = SendPtr(y.as_mut_ptr());
+    (0..rows.div_ceil(ROWS_PER_TASK))
+        .into_par_iter()
+        .for_each(|chunk| {
             let r0 = chunk * ROWS_PER_TASK;
-            let m = out.len() / n;
+            let m = ROWS_PER_TASK.min(rows - r0);
             let wrows = w.rows_bytes(r0, m);
             for t0 in (0..n).step_by(X_ROWS_PER_PASS) {
                 let nt = X_ROWS_PER_PASS.min(n - t0);
-                tmp.resize(m * nt, 0.0);
-                trellm_quant::dot_block(w.ty, wrows, m, &x[t0 * cols..(t0 + nt) * cols], nt, tmp);
-                for i in 0..m {
-                    out[i * n + t0..i * n + t0 + nt].copy_from_slice(&tmp[i * nt..(i + 1) * nt]);
+                // SAFETY: y is n × rows; this task alone writes its rows r0..r0 + m of
+                // activation rows t0..t0 + nt.
+                unsafe {
+                    trellm_quant::dot_block_to(
+                        w.ty,
+                        wrows,
+                        m,
+                        &x[t0 * cols..(t0 + nt) * cols],
+                        nt,
+                        out.get().add(t0 * rows + r0),
+                        rows,
+                    );
                 }
             }
         });
-    y.par_chunks_mut(rows).enumerate().for_each(|(t, yrow)| {
-        for (r, v) in yrow.iter_mut().enumerate() {
-            *v = yt[r * n + t];
-        }
-    });
+}
+
+/// A pointer that parallel tasks writing disjoint elements share.
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+// SAFETY: only used for writes to disjoint elements, each by one task.
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+impl SendPtr {
+    /// A method, so closures capture the whole (Sync) wrapper rather than its raw field.
+    fn get(self) -> *mut f32 {
+        self.0
+    }
 }
 
 /// Activation rows from which decoding the whole weight matrix to f32 once and running a dense

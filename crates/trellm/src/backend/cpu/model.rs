@@ -66,6 +66,12 @@ impl SeqKv<'_> {
         let b = &self.kv.blocks[self.blocks[j / bs] as usize];
         &b[self.kv.value_offset(self.layer, j % bs)..][..self.kv.kv_dim]
     }
+    /// The values of the sequence's block `i`, `[block_size][kv_dim]`.
+    #[inline]
+    fn value_block(&self, i: usize) -> &[f32] {
+        let b = &self.kv.blocks[self.blocks[i] as usize];
+        &b[self.kv.value_offset(self.layer, 0)..][..self.kv.block_size * self.kv.kv_dim]
+    }
     /// The transposed keys of the sequence's block `i`, `[kv_dim][block_size]`.
     #[inline]
     fn key_block(&self, i: usize) -> &[f32] {
@@ -98,7 +104,20 @@ fn norm(x: &mut [f32], w: &NormWeights, op: NormOp) {
 }
 
 fn norm_rows(x: &mut [f32], w: &NormWeights, op: NormOp) {
-    x.par_chunks_mut(w.w.len()).for_each(|r| norm(r, w, op));
+    rows_mut(x, w.w.len(), |r| norm(r, w, op));
+}
+
+/// Values below which a per-row pass runs on the calling thread: for a batch of decode rows a
+/// fork-join costs more than the work.
+const PAR_MIN_VALUES: usize = 1 << 15;
+
+/// `f` on each `width`-sized row of `x`, in parallel where there is enough work.
+fn rows_mut(x: &mut [f32], width: usize, f: impl Fn(&mut [f32]) + Sync + Send) {
+    if x.len() < PAR_MIN_VALUES {
+        x.chunks_mut(width).for_each(f);
+    } else {
+        x.par_chunks_mut(width).for_each(f);
+    }
 }
 
 /// `y = x W^T (+ b)` for a batch of sequences of `seq_rows` rows each.
@@ -431,10 +450,8 @@ fn qkv_epilogue(e: &QkvEpilogue, lw: &LayerWeights, batch: &Batch, st: &mut Scra
     if let (Some(qn), Some(kn)) = (&lw.q_norm, &lw.k_norm) {
         match e.qk_norm {
             QkNorm::Whole => {
-                st.q.par_chunks_mut(q_dim)
-                    .for_each(|r| cpu::rms_norm(r, qn, e.norm_eps));
-                st.k.par_chunks_mut(kv_dim)
-                    .for_each(|r| cpu::rms_norm(r, kn, e.norm_eps));
+                rows_mut(&mut st.q, q_dim, |r| cpu::rms_norm(r, qn, e.norm_eps));
+                rows_mut(&mut st.k, kv_dim, |r| cpu::rms_norm(r, kn, e.norm_eps));
             }
             _ => {
                 cpu::rms_norm_chunks(&mut st.q, qn, e.norm_eps);
@@ -570,25 +587,24 @@ fn attend_generic(
 ) {
     // `new_cache` makes blocks of this size only.
     const BS: usize = crate::backend::BLOCK_SIZE;
+    // Blocks scored at once: each score is one chain of dependent adds over the head's
+    // dimensions, so several blocks' chains in flight hide the latency (each score's arithmetic
+    // and order unchanged).
+    const NB: usize = 4;
     let n = pos + 1 - lo;
+    let (b0, b1) = (lo / BS, pos / BS + 1);
     scores.resize(qs.len() / hd * n, 0.0);
-    for bi in lo / BS..=pos / BS {
-        let kt = seq.key_block(bi);
-        // The block's slots inside lo..=pos.
-        let s0 = lo.max(bi * BS) - bi * BS;
-        let s1 = pos.min(bi * BS + BS - 1) - bi * BS + 1;
-        for (g, qh) in qs.chunks(hd).enumerate() {
-            let mut acc = [0.0f32; BS];
-            for (d, &qd) in qh.iter().enumerate() {
-                let row: &[f32; BS] = kt[(kvh * hd + d) * BS..][..BS]
-                    .try_into()
-                    .expect("a block row");
-                for s in 0..BS {
-                    acc[s] += qd * row[s];
-                }
+    for (g, qh) in qs.chunks(hd).enumerate() {
+        let sc = &mut scores[g * n..(g + 1) * n];
+        let mut bi = b0;
+        while bi < b1 {
+            if b1 - bi >= NB {
+                score_blocks::<NB>(qh, hd, kvh, lo, pos, bi, seq, sc);
+                bi += NB;
+            } else {
+                score_blocks::<1>(qh, hd, kvh, lo, pos, bi, seq, sc);
+                bi += 1;
             }
-            let first = g * n + bi * BS + s0 - lo;
-            scores[first..first + (s1 - s0)].copy_from_slice(&acc[s0..s1]);
         }
     }
     for sc in scores.chunks_mut(n) {
@@ -597,12 +613,74 @@ fn attend_generic(
         }
         cpu::softmax(sc);
     }
-    o.fill(0.0);
-    for (i, j) in (lo..=pos).enumerate() {
-        let value = &seq.value(j)[kvh * hd..][..hd];
-        for (g, oh) in o.chunks_mut(hd).enumerate() {
-            cpu::axpy_generic(scores[g * n + i], value, oh);
+    // The weighted values, a 64-wide slice of a head at a time accumulated in registers over
+    // the positions (the same sums, in the same order, as an axpy per position).
+    const W: usize = 64;
+    let kv_dim = seq.kv.kv_dim;
+    for (g, oh) in o.chunks_mut(hd).enumerate() {
+        let sc = &scores[g * n..(g + 1) * n];
+        if !hd.is_multiple_of(W) {
+            oh.fill(0.0);
+            for (i, j) in (lo..=pos).enumerate() {
+                cpu::axpy_generic(sc[i], &seq.value(j)[kvh * hd..][..hd], oh);
+            }
+            continue;
         }
+        for (c0, oc) in (0..hd).step_by(W).zip(oh.chunks_exact_mut(W)) {
+            let mut acc = [0.0f32; W];
+            for bi in b0..b1 {
+                let vb = seq.value_block(bi);
+                let s0 = lo.max(bi * BS) - bi * BS;
+                let s1 = pos.min(bi * BS + BS - 1) - bi * BS + 1;
+                for slot in s0..s1 {
+                    let v: &[f32; W] = vb[slot * kv_dim + kvh * hd + c0..][..W]
+                        .try_into()
+                        .expect("a value slice");
+                    let p = sc[bi * BS + slot - lo];
+                    for d in 0..W {
+                        acc[d] += p * v[d];
+                    }
+                }
+            }
+            oc.copy_from_slice(&acc);
+        }
+    }
+}
+
+/// Scores of query head `qh` against the keys of blocks `bi..bi + K`, their slots inside
+/// `lo..=pos` written to `sc` (indexed from `lo`).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn score_blocks<const K: usize>(
+    qh: &[f32],
+    hd: usize,
+    kvh: usize,
+    lo: usize,
+    pos: usize,
+    bi: usize,
+    seq: &SeqKv,
+    sc: &mut [f32],
+) {
+    const BS: usize = crate::backend::BLOCK_SIZE;
+    let kts: [&[f32]; K] = std::array::from_fn(|k| seq.key_block(bi + k));
+    let mut acc = [[0.0f32; BS]; K];
+    for (d, &qd) in qh.iter().enumerate() {
+        for k in 0..K {
+            let row: &[f32; BS] = kts[k][(kvh * hd + d) * BS..][..BS]
+                .try_into()
+                .expect("a block row");
+            for s in 0..BS {
+                acc[k][s] += qd * row[s];
+            }
+        }
+    }
+    for (k, acc) in acc.iter().enumerate() {
+        let b = bi + k;
+        // The block's slots inside lo..=pos.
+        let s0 = lo.max(b * BS) - b * BS;
+        let s1 = pos.min(b * BS + BS - 1) - b * BS + 1;
+        let first = b * BS + s0 - lo;
+        sc[first..first + (s1 - s0)].copy_from_slice(&acc[s0..s1]);
     }
 }
 
