@@ -647,6 +647,10 @@ impl Exl3Linear {
         );
         let (xh, band, yg) = (gpu.ptr(&s.xh16), gpu.ptr(&s.band), gpu.ptr(&s.yg));
         self.launch_input(gpu, m, x, xh, true)?;
+        // Without padded outputs or a bias, the output Hadamard and svh are folded into the
+        // decoded band and the GEMM writes y itself (no pass over an f32 intermediate).
+        let folded = self.rows == n && self.bias.is_none();
+        let svh = if folded { gpu.ptr(&self.svh) } else { 0 };
         let mut c0 = 0;
         while c0 < n {
             let cols = bc.min(n - c0);
@@ -661,10 +665,18 @@ impl Exl3Linear {
                     Arg::I32(self.shape.tiles_n() as i32),
                     Arg::I32((c0 / 128) as i32),
                     Arg::I32(cols as i32),
+                    Arg::Ptr(svh),
                 ],
             )?;
-            gemm_f16(gpu, (m, cols, k), xh, band, yg + (4 * c0) as u64, n)?;
+            if folded {
+                gemm_f16(gpu, (m, cols, k), xh, band, y + (4 * c0) as u64, ldy)?;
+            } else {
+                gemm_f16(gpu, (m, cols, k), xh, band, yg + (4 * c0) as u64, n)?;
+            }
             c0 += cols;
+        }
+        if folded {
+            return Ok(());
         }
         self.launch_output(gpu, m, yg, 1, y, ldy)
     }
@@ -780,6 +792,7 @@ impl Exl3Linear {
                     Arg::I32(self.shape.tiles_n() as i32),
                     Arg::I32(0),
                     Arg::I32(n as i32),
+                    Arg::Ptr(0),
                 ],
             )?;
         }

@@ -524,6 +524,52 @@ fn int8_path_matches_cpu_within_its_rounding() {
     assert_none_failed(failures);
 }
 
+/// The GEMM path of a layer without padded outputs or a bias, whose output Hadamard and svh are
+/// folded into the decoded fp16 band (one more fp16 rounding, of W H128 * svh), against the CPU:
+/// within the same tolerance as the unfolded path.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on the GPU machine"]
+fn folded_gemm_matches_cpu() {
+    let gpu = gpu();
+    let mut failures: Vec<String> = Vec::new();
+    let cases = [
+        (Codebook::Mul1, Bitrate::int(3), (4096, 1024)),
+        (Codebook::Mcg, Bitrate::half(2), (256, 384)),
+        (Codebook::Inst3, Bitrate::int(4), (1024, 4096)),
+    ];
+    for (i, &(cb, rate, (k, n))) in cases.iter().enumerate() {
+        let mut h = host(k, n, k, n, cb, rate, 70 + i as u64);
+        h.bias = vec![0.0; n];
+        let l =
+            Exl3Linear::from_parts(&gpu, h.shape, n, k, &h.trellis, &h.suh, &h.svh, None).unwrap();
+        for m in [65usize, 100, 300] {
+            let x = inputs(&h, m, (5 * i + m) as u64);
+            let want = cpu_rows(&h, &x, m);
+            let s = Exl3Scratch::new(&gpu, &[(&l, m)]).unwrap();
+            let xd = gpu.upload(&x).unwrap();
+            let y = gpu.alloc::<f32>(m * n).unwrap();
+            let rows = Rows {
+                ptr: gpu.ptr(&xd),
+                bf16: false,
+                ld: k,
+            };
+            l.forward_in(&gpu, &s, Regime::Gemm, m, rows, gpu.ptr(&y), n)
+                .unwrap();
+            let got = gpu.stream.clone_dtoh(&y).unwrap();
+            if let Err(e) = check_within(
+                &got,
+                &want,
+                1e-3,
+                1e-2,
+                &format!("{} m={m} folded Gemm", label(&h)),
+            ) {
+                failures.push(e);
+            }
+        }
+    }
+    assert_none_failed(failures);
+}
+
 /// Bad parts are errors, not panics.
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on the GPU machine"]

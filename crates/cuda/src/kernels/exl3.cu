@@ -727,10 +727,13 @@ extern "C" __global__ void __launch_bounds__(128) exl3_out(const float* __restri
 
 // W_inner decoded, row-major [k][ld], columns 128 band0 .. of it from column 0: f32 (the
 // exactness check) or fp16 (w_f16: the prefill GEMM's operand; every codebook value is an fp16,
-// so nothing is rounded). Grid (bands, k / 16), 8 warps, one tile each.
+// so nothing is rounded). With svh (fp16 only), each row's 128-column segments are also
+// rotated and scaled, W H128 * svh rounded to fp16, which folds the output Hadamard into the
+// GEMM (y = xh W H128 * svh, H128 symmetric). Grid (bands, k / 16), 8 warps, one tile each.
 extern "C" __global__ void __launch_bounds__(256) exl3_dequant(const u32* __restrict__ trellis,
                                                                void* __restrict__ w, int w_f16,
-                                                               int tiles_n, int band0, int ld) {
+                                                               int tiles_n, int band0, int ld,
+                                                               const float* __restrict__ svh) {
     const int lane = threadIdx.x & 31;
     const int tc = blockIdx.x * EXL3_WARPS + (threadIdx.x >> 5);
     const int tn = band0 * EXL3_WARPS + tc;
@@ -759,6 +762,28 @@ extern "C" __global__ void __launch_bounds__(256) exl3_dequant(const u32* __rest
             band[row][16 * warp + col] = (unsigned short)(h[j >> 1] >> (16 * (j & 1)));
         }
         __syncthreads();
+        if (svh) {
+            // Warp w rotates rows 2w and 2w + 1 (lane: columns 4 lane ..).
+            const int c0 = (band0 + blockIdx.x) * 128 + 4 * lane;
+            const float4 sv = *(const float4*)(svh + c0);
+#pragma unroll
+            for (int rr = 0; rr < 2; rr++) {
+                const int r = 2 * warp + rr;
+                float v[4];
+#pragma unroll
+                for (int i = 0; i < 4; i++) v[i] = h2f(band[r][4 * lane + i]);
+                had128(v, lane);
+                v[0] = __fmul_rn(v[0], sv.x), v[1] = __fmul_rn(v[1], sv.y);
+                v[2] = __fmul_rn(v[2], sv.z), v[3] = __fmul_rn(v[3], sv.w);
+                u32 h01, h23;
+                asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(h01) : "f"(fminf(fmaxf(v[1], -65504.0f), 65504.0f)),
+                    "f"(fminf(fmaxf(v[0], -65504.0f), 65504.0f)));
+                asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(h23) : "f"(fminf(fmaxf(v[3], -65504.0f), 65504.0f)),
+                    "f"(fminf(fmaxf(v[2], -65504.0f), 65504.0f)));
+                *(uint2*)&band[r][4 * lane] = make_uint2(h01, h23);
+            }
+            __syncthreads();
+        }
         const int row = threadIdx.x >> 4, c8 = 8 * (threadIdx.x & 15);
         *(uint4*)((unsigned short*)w + (long long)(tk * 16 + row) * ld + blockIdx.x * 128 + c8) =
             *(const uint4*)&band[row][c8];
