@@ -1,6 +1,8 @@
 //! GPU tests of the dense decoder on synthetic weights. Ignored here; run with `--ignored` on the
 //! GPU machine (scripts/gpu/run_cuda.sh).
 
+mod common;
+
 use std::sync::Arc;
 
 use trellm_cuda::dense::{DenseModel, DenseWeights, FewRows};
@@ -233,22 +235,9 @@ fn few_rows_gemm_matches_f64() {
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --ignored on the GPU machine"]
 fn few_rows_gemm_timing() {
-    use std::io::Write;
     let gpu = gpu();
     let copy = bench::copy_bytes_per_s(&gpu, 10).unwrap();
-    let mut out = std::env::var_os("TRELLM_RESULTS").map(|p| {
-        std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(p)
-            .unwrap()
-    });
-    let mut emit = |line: String| {
-        println!("{line}");
-        if let Some(f) = out.as_mut() {
-            writeln!(f, "{line}").unwrap();
-        }
-    };
+    let mut emit = common::results();
     emit(format!(
         "{{\"device\": \"{}\", \"copy_gb_s\": {:.1}}}",
         gpu.name,

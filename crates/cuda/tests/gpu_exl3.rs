@@ -3,7 +3,8 @@
 //! `--include-ignored` on the GPU machine. `timing` prints (and with `TRELLM_RESULTS=<file>`
 //! appends as JSON lines) the kernel-only GB/s at the Llama-3.1-8B MLP shapes.
 
-use std::io::Write;
+mod common;
+
 use std::sync::Arc;
 
 use rand::{Rng, SeedableRng};
@@ -611,19 +612,7 @@ fn bad_parts_are_errors() {
 fn timing() {
     let gpu = gpu();
     let copy = bench::copy_bytes_per_s(&gpu, 10).unwrap();
-    let mut out = std::env::var_os("TRELLM_RESULTS").map(|p| {
-        std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(p)
-            .unwrap()
-    });
-    let mut emit = |line: String| {
-        println!("{line}");
-        if let Some(f) = out.as_mut() {
-            writeln!(f, "{line}").unwrap();
-        }
-    };
+    let mut emit = common::results();
     emit(format!(
         "{{\"device\": \"{}\", \"copy_gb_s\": {:.1}}}",
         gpu.name,

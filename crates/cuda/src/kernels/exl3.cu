@@ -346,6 +346,52 @@ EXL3_GEMV(exl3_gemv, 1)
 // 8)).
 #define XS_HALVES 24320
 
+// Streams tile rows tk0..tk1 of one tile column, starting at tl (its first tile's words + lane)
+// with `stride` words between tile rows: two buffers of MMA_DEPTH tile rows in turn, one in
+// flight while the other is used (so tk1 - tk0 must be whole pairs of steps: 2 MMA_DEPTH tile
+// rows). Each tile's words are loaded coalesced (lane L holds words L and L + 32) and handed to
+// the lanes that decode them by shuffles; tile(cur, tk) then gets this lane's NLOAD words of
+// tile row tk.
+template <class Tile>
+__device__ __forceinline__ void stream_tiles(const u32* __restrict__ tl, long long stride, int tk0,
+                                             int tk1, const LaneWords& g, Tile tile) {
+    const int lane = threadIdx.x & 31;
+    const auto load = [&](const u32* p, u32 (&w)[MMA_DEPTH][OWN]) {
+#pragma unroll
+        for (int d = 0; d < MMA_DEPTH; d++)
+#pragma unroll
+            for (int o = 0; o < OWN; o++)
+                w[d][o] = (32 * o + lane < TILE_WORDS) ? __ldg(p + d * stride + 32 * o) : 0u;
+    };
+    const auto step = [&](const u32 (&w)[MMA_DEPTH][OWN], int tk) {
+#pragma unroll
+        for (int d = 0; d < MMA_DEPTH; d++) {
+            u32 cur[NLOAD];
+#pragma unroll
+            for (int i = 0; i < NLOAD; i++) {
+                const int src = g.idx[i];
+                if (OWN == 1) {
+                    cur[i] = __shfl_sync(FULL_MASK, w[d][0], src);
+                } else {
+                    const u32 lo = __shfl_sync(FULL_MASK, w[d][0], src & 31);
+                    const u32 hi = __shfl_sync(FULL_MASK, w[d][OWN - 1], src & 31);
+                    cur[i] = src < 32 ? lo : hi;
+                }
+            }
+            tile(cur, tk + d);
+        }
+    };
+    u32 wa[MMA_DEPTH][OWN], wb[MMA_DEPTH][OWN];
+    load(tl, wa);
+    for (int tk = tk0; tk < tk1; tk += 2 * MMA_DEPTH) {
+        load(tl + MMA_DEPTH * stride, wb);
+        step(wa, tk);
+        if (tk + 2 * MMA_DEPTH < tk1) load(tl + 2 * MMA_DEPTH * stride, wa);
+        step(wb, tk + MMA_DEPTH);
+        tl += 2 * MMA_DEPTH * stride;
+    }
+}
+
 // After a block wrote its split's partial[split][r][band's 128 outputs]: the band's last block to
 // finish (a counter per band, reset by that block for the next launch) sums the band's partials in
 // split order (so runs are bit-identical), rotates them back (H128), scales by svh, adds the bias.
@@ -390,8 +436,8 @@ __device__ __forceinline__ void finish_band(const float* __restrict__ partial,
 // The whole layer for m <= 16 MT rows (m <= 8 unless FULL) in one launch, on tensor cores:
 //   y[r][c] = (H128(sum over splits of xh[r] . W_inner) * svh + bias)[c]
 // Prologue: the block rotates its split's inputs of every row, xh = H128(x * suh) rounded to
-// fp16, into shared memory (the A operand; a split is whole 128-blocks). Main loop: each tile
-// decoded once into the mma B fragments (exact fp16 codebook values) and multiplied for every
+// fp16, into shared memory (the A operand; a split is whole 128-blocks). Main loop
+// (stream_tiles): each tile decoded once into the mma B fragments (exact fp16 codebook values) and multiplied for every
 // 16-row tile with f32 accumulation (mma.m16n8k16); its partial sums go to partial[split][r][n].
 // Epilogue: the last block of a band to finish (a counter per band, reset by that block for the
 // next launch) sums the band's partials in split order (so runs are bit-identical), rotates them
@@ -462,31 +508,10 @@ __device__ __forceinline__ void mma_layer(const u32* __restrict__ trellis, const
             const int r = 16 * i + grp + 8 * j;
             arow[i][j] = r < m ? r * ks + 2 * tig : -1;
         }
-    const auto load = [&](const u32* p, u32 (&w)[MMA_DEPTH][OWN]) {
-#pragma unroll
-        for (int d = 0; d < MMA_DEPTH; d++)
-#pragma unroll
-            for (int o = 0; o < OWN; o++)
-                w[d][o] = (32 * o + lane < TILE_WORDS) ? __ldg(p + d * stride + 32 * o) : 0u;
-    };
-    const auto step = [&](const u32 (&w)[MMA_DEPTH][OWN], int tk) {
-#pragma unroll
-        for (int d = 0; d < MMA_DEPTH; d++) {
-            u32 cur[NLOAD];
-#pragma unroll
-            for (int i = 0; i < NLOAD; i++) {
-                const int src = g.idx[i];
-                if (OWN == 1) {
-                    cur[i] = __shfl_sync(FULL_MASK, w[d][0], src);
-                } else {
-                    const u32 lo = __shfl_sync(FULL_MASK, w[d][0], src & 31);
-                    const u32 hi = __shfl_sync(FULL_MASK, w[d][OWN - 1], src & 31);
-                    cur[i] = src < 32 ? lo : hi;
-                }
-            }
+    stream_tiles(tl, stride, tk0, tk1, g, [&](const u32 (&cur)[NLOAD], int tk) {
             u32 b[4];
             decode8h(cur, g.shift, b);
-            const int o = 16 * (tk + d - tk0);
+            const int o = 16 * (tk - tk0);
 #pragma unroll
             for (int i = 0; i < MT; i++) {
                 // a0: row grp, k 2 tig..; a1: row grp + 8; a2: row grp, k + 8; a3: row grp + 8,
@@ -510,19 +535,7 @@ __device__ __forceinline__ void mma_layer(const u32* __restrict__ trellis, const
                           "r"(b[2 * j + 1]));
                 }
             }
-        }
-    };
-    // Two buffers of MMA_DEPTH tile rows in turn, one in flight while the other decodes (a split
-    // is whole pairs of steps: 2 MMA_DEPTH = 8 tile rows divide it).
-    u32 wa[MMA_DEPTH][OWN], wb[MMA_DEPTH][OWN];
-    load(tl, wa);
-    for (int tk = tk0; tk < tk1; tk += 2 * MMA_DEPTH) {
-        load(tl + MMA_DEPTH * stride, wb);
-        step(wa, tk);
-        if (tk + 2 * MMA_DEPTH < tk1) load(tl + 2 * MMA_DEPTH * stride, wa);
-        step(wb, tk + MMA_DEPTH);
-        tl += 2 * MMA_DEPTH * stride;
-    }
+    });
     // D fragment: c0, c1 at row grp, columns 2 tig + {0, 1} of the 8-column half; c2, c3 at row
     // grp + 8.
 #pragma unroll
@@ -567,7 +580,7 @@ EXL3_MMA(exl3_mma64, 4, true, 1)
 // the codec rounds that to fp16, this path does not), so one dp4a of the product's bytes against
 // the activation's splat gives s * xq, and
 //   sum_k w_k x_k ~ sum_blocks qs[b] (A sum_k s_k xq_k + B sum_k xq_k).
-// Tiles are loaded and shared as in the tensor-core GEMV; lane L sums inputs 2(L&3) + {0, 1, 8, 9}
+// Tiles are streamed as in the tensor-core GEMV (stream_tiles); lane L sums inputs 2(L&3) + {0, 1, 8, 9}
 // of columns L/4 and L/4 + 8 of its warp's tile column. Epilogue: finish_band. Grid (n / 128,
 // splits), 8 warps. Other codebooks have no such form and never launch it.
 #define MUL1_A (1774.0f / 262144.0f)
@@ -608,31 +621,10 @@ exl3_q8(const u32* __restrict__ trellis, const void* __restrict__ x, int x_bf16,
     const long long stride = (long long)tiles_n * TILE_WORDS;
     const u32* tl = trellis + ((long long)tk0 * tiles_n + tn) * TILE_WORDS + lane;
     float acc0 = 0.0f, acc1 = 0.0f, accx = 0.0f;
-    const auto load = [&](const u32* p, u32 (&w)[MMA_DEPTH][OWN]) {
-#pragma unroll
-        for (int d = 0; d < MMA_DEPTH; d++)
-#pragma unroll
-            for (int o = 0; o < OWN; o++)
-                w[d][o] = (32 * o + lane < TILE_WORDS) ? __ldg(p + d * stride + 32 * o) : 0u;
-    };
-    const auto step = [&](const u32 (&w)[MMA_DEPTH][OWN], int tk) {
-#pragma unroll
-        for (int d = 0; d < MMA_DEPTH; d++) {
-            u32 cur[NLOAD];
-#pragma unroll
-            for (int i = 0; i < NLOAD; i++) {
-                const int src = g.idx[i];
-                if (OWN == 1) {
-                    cur[i] = __shfl_sync(FULL_MASK, w[d][0], src);
-                } else {
-                    const u32 lo = __shfl_sync(FULL_MASK, w[d][0], src & 31);
-                    const u32 hi = __shfl_sync(FULL_MASK, w[d][OWN - 1], src & 31);
-                    cur[i] = src < 32 ? lo : hi;
-                }
-            }
+    stream_tiles(tl, stride, tk0, tk1, g, [&](const u32 (&cur)[NLOAD], int tk) {
             u32 st[8];
             states8(cur, g.shift, st);
-            const int o = 16 * (tk + d - tk0);
+            const int o = 16 * (tk - tk0);
             const u32 x4 = *(const unsigned short*)&xq[o + row0] |
                            ((u32) * (const unsigned short*)&xq[o + row0 + 8] << 16);
             int d0 = 0, d1 = 0, dx;
@@ -647,19 +639,7 @@ exl3_q8(const u32* __restrict__ trellis, const void* __restrict__ x, int x_bf16,
             acc0 = fmaf(q, (float)d0, acc0);
             acc1 = fmaf(q, (float)d1, acc1);
             accx = fmaf(q, (float)dx, accx);
-        }
-    };
-    // Two buffers of MMA_DEPTH tile rows in turn, as the tensor-core GEMV (its split: whole pairs
-    // of steps).
-    u32 wa[MMA_DEPTH][OWN], wb[MMA_DEPTH][OWN];
-    load(tl, wa);
-    for (int tk = tk0; tk < tk1; tk += 2 * MMA_DEPTH) {
-        load(tl + MMA_DEPTH * stride, wb);
-        step(wa, tk);
-        if (tk + 2 * MMA_DEPTH < tk1) load(tl + 2 * MMA_DEPTH * stride, wa);
-        step(wb, tk + MMA_DEPTH);
-        tl += 2 * MMA_DEPTH * stride;
-    }
+    });
     // The 4 lanes of a column, in a fixed order.
 #pragma unroll
     for (int m = 1; m <= 2; m <<= 1) {
