@@ -2175,8 +2175,8 @@ pub const FEW_ROWS: usize = 8;
 /// (68-69 / 59-62 / 73-80% of copy against 60-66 / 47-50 / 77-78% at 2-8 rows), and lost on the
 /// larger gate/up and head (80-84 / 89-95% against 81-88 / 95-97%; H200, session 6 run 6).
 const FEW_ROWS_MAX_ELEMS: usize = 1 << 26;
-/// Warps of a decode GEMM block (`SKINNY_WARPS` in gemv.cu).
-const SKINNY_WARPS: usize = 8;
+/// Warps of a decode GEMM block (`ROWS8_WARPS` in gemv.cu).
+const ROWS8_WARPS: usize = 8;
 
 /// The tensor-core decode GEMM for 2..=[`FEW_ROWS`] rows: `y[m, n] (f32) = x[m, k] (bf16) .
 /// w[n, k]^T`, each weight read once for all rows.
@@ -2220,7 +2220,7 @@ impl FewRows {
         g.launch(
             &self.0,
             (n.div_ceil(16) as u32, 1, 1),
-            (SKINNY_WARPS * 32) as u32,
+            (ROWS8_WARPS * 32) as u32,
             &[
                 Arg::Ptr(w),
                 Arg::Ptr(x),

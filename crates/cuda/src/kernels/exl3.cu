@@ -201,6 +201,17 @@ __device__ __forceinline__ void had128(float (&v)[4], int lane) {
     for (int i = 0; i < 4; i++) v[i] = __fmul_rn(v[i], __uint_as_float(0x3DB504F3u));
 }
 
+// Four f32 as fp16 (round to nearest), clamped to fp16's range (a real activation beyond it
+// would already be inf in exllamav3's fp16), packed in order.
+__device__ __forceinline__ uint2 pack_f16x4(const float (&v)[4]) {
+    u32 h01, h23;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(h01) : "f"(fminf(fmaxf(v[1], -65504.0f), 65504.0f)),
+        "f"(fminf(fmaxf(v[0], -65504.0f), 65504.0f)));
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(h23) : "f"(fminf(fmaxf(v[3], -65504.0f), 65504.0f)),
+        "f"(fminf(fmaxf(v[2], -65504.0f), 65504.0f)));
+    return make_uint2(h01, h23);
+}
+
 // v = H128(x[r] * suh) over inputs c0 - 4 lane .. + 128 (this lane's four from c0), x zero-
 // extended from `cols` (the model's padding to 128s); x is f32 or bf16 (x_bf16), row stride ldx.
 __device__ __forceinline__ void rotate_in(const void* __restrict__ x, int x_bf16, int ldx, int cols,
@@ -251,12 +262,7 @@ extern "C" __global__ void __launch_bounds__(128) exl3_in(const void* __restrict
     rotate_in(x, x_bf16, ldx, cols, suh, r, c0, lane, v);
     const long long o = r * k + c0;
     if (xh_f16) {
-        u32 h01, h23;
-        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(h01) : "f"(fminf(fmaxf(v[1], -65504.0f), 65504.0f)),
-            "f"(fminf(fmaxf(v[0], -65504.0f), 65504.0f)));
-        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(h23) : "f"(fminf(fmaxf(v[3], -65504.0f), 65504.0f)),
-            "f"(fminf(fmaxf(v[2], -65504.0f), 65504.0f)));
-        *(uint2*)((unsigned short*)xh + o) = make_uint2(h01, h23);
+        *(uint2*)((unsigned short*)xh + o) = pack_f16x4(v);
     } else {
         *(float4*)((float*)xh + o) = make_float4(v[0], v[1], v[2], v[3]);
     }
@@ -465,24 +471,9 @@ __device__ __forceinline__ void mma_layer(const u32* __restrict__ trellis, const
     const int blocks = kw / 128;
     for (int job = warp; job < m * blocks; job += EXL3_WARPS) {
         const int r = job / blocks, b = job - r * blocks;
-        const int c0 = 16 * tk0 + 128 * b + 4 * lane;
         float v[4];
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const int c = c0 + i;
-            float xv = 0.0f;
-            if (c < cols)
-                xv = x_bf16 ? bf2f(((const bf16*)x)[(long long)r * ldx + c])
-                            : ((const float*)x)[(long long)r * ldx + c];
-            v[i] = c < cols ? __fmul_rn(xv, suh[c]) : 0.0f;
-        }
-        had128(v, lane);
-        u32 h01, h23;
-        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(h01) : "f"(fminf(fmaxf(v[1], -65504.0f), 65504.0f)),
-            "f"(fminf(fmaxf(v[0], -65504.0f), 65504.0f)));
-        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(h23) : "f"(fminf(fmaxf(v[3], -65504.0f), 65504.0f)),
-            "f"(fminf(fmaxf(v[2], -65504.0f), 65504.0f)));
-        *(uint2*)&xs[r * ks + 128 * b + 4 * lane] = make_uint2(h01, h23);
+        rotate_in(x, x_bf16, ldx, cols, suh, r, 16 * tk0 + 128 * b + 4 * lane, lane, v);
+        *(uint2*)&xs[r * ks + 128 * b + 4 * lane] = pack_f16x4(v);
     }
     __syncthreads();
 
@@ -755,12 +746,7 @@ extern "C" __global__ void __launch_bounds__(256) exl3_dequant(const u32* __rest
                 had128(v, lane);
                 v[0] = __fmul_rn(v[0], sv.x), v[1] = __fmul_rn(v[1], sv.y);
                 v[2] = __fmul_rn(v[2], sv.z), v[3] = __fmul_rn(v[3], sv.w);
-                u32 h01, h23;
-                asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(h01) : "f"(fminf(fmaxf(v[1], -65504.0f), 65504.0f)),
-                    "f"(fminf(fmaxf(v[0], -65504.0f), 65504.0f)));
-                asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(h23) : "f"(fminf(fmaxf(v[3], -65504.0f), 65504.0f)),
-                    "f"(fminf(fmaxf(v[2], -65504.0f), 65504.0f)));
-                *(uint2*)&band[r][4 * lane] = make_uint2(h01, h23);
+                *(uint2*)&band[r][4 * lane] = pack_f16x4(v);
             }
             __syncthreads();
         }

@@ -306,25 +306,25 @@ gemv_res(const bf16* __restrict__ W, int n, int k, const bf16* __restrict__ xin,
 // chunk of 64 inputs the order of k is permuted, alike for both operands (a dot product does not
 // care): lane (grp, tig) holds inputs 16 tig .. 16 tig + 15 of its rows, two contiguous 16-byte
 // loads, and mma q of the chunk takes its pairs 4q, 4q + 1 (k 2 tig, 2 tig + 1 of the fragment)
-// and 4q + 2, 4q + 3 (k 2 tig + 8, 2 tig + 9). A block's SKINNY_WARPS warps take interleaved
+// and 4q + 2, 4q + 3 (k 2 tig + 8, 2 tig + 9). A block's ROWS8_WARPS warps take interleaved
 // chunks of the same 16 outputs and are summed in shared memory in warp order, so runs are
 // bit-identical. k must be a multiple of 8; rows past n and m are clamped on load, not stored.
 // More rows measured slower than cuBLAS (H200, 2026-12-01: x is reread from L2 for every 16
 // outputs, twice the weights' bytes at 32 rows; staging x in shared memory for 128 outputs a
 // block was slower still), so cuBLAS takes them.
-#define SKINNY_WARPS 8
-#define SKINNY_CHUNK 64
+#define ROWS8_WARPS 8
+#define ROWS8_CHUNK 64
 
 __device__ __forceinline__ u32 word_of(const uint4& v, int s) {
     return s == 0 ? v.x : s == 1 ? v.y : s == 2 ? v.z : v.w;
 }
 
-extern "C" __global__ void __launch_bounds__(SKINNY_WARPS * 32)
+extern "C" __global__ void __launch_bounds__(ROWS8_WARPS * 32)
 gemm_rows8(const bf16* __restrict__ W, const bf16* __restrict__ x, float* __restrict__ y, int n,
            int k, int m) {
     // Per warp: [row of x][output], each row padded by 4 so the fragment stores hit 32 banks.
     constexpr int RS = 16 + 4;
-    __shared__ float red[SKINNY_WARPS][8 * RS];
+    __shared__ float red[ROWS8_WARPS][8 * RS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int grp = lane >> 2, tig = lane & 3;
     const int row0 = blockIdx.x * 16;
@@ -334,23 +334,23 @@ gemm_rows8(const bf16* __restrict__ W, const bf16* __restrict__ x, float* __rest
         wp[h] = W + (long long)min(row0 + grp + 8 * h, n - 1) * k + 16 * tig;
     const bf16* xp = x + (long long)min(grp, m - 1) * k + 16 * tig;
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    const int chunks = (k + SKINNY_CHUNK - 1) / SKINNY_CHUNK;
+    const int chunks = (k + ROWS8_CHUNK - 1) / ROWS8_CHUNK;
     // Whether this lane's vector u of chunk c lies inside the row.
-    const auto inside = [&](int c, int u) { return c * SKINNY_CHUNK + 16 * tig + 8 * u + 8 <= k; };
+    const auto inside = [&](int c, int u) { return c * ROWS8_CHUNK + 16 * tig + 8 * u + 8 <= k; };
     const auto load = [&](int c, uint4 (&w)[2][2]) {
 #pragma unroll
         for (int u = 0; u < 2; u++) {
             const bool ok = c < chunks && inside(c, u);
 #pragma unroll
             for (int h = 0; h < 2; h++)
-                w[h][u] = ok ? ld_stream(wp[h] + c * SKINNY_CHUNK + 8 * u) : make_uint4(0, 0, 0, 0);
+                w[h][u] = ok ? ld_stream(wp[h] + c * ROWS8_CHUNK + 8 * u) : make_uint4(0, 0, 0, 0);
         }
     };
     const auto step = [&](int c, const uint4 (&w)[2][2]) {
         uint4 xv[2];
 #pragma unroll
         for (int u = 0; u < 2; u++)
-            xv[u] = inside(c, u) ? ld_nc(xp + c * SKINNY_CHUNK + 8 * u) : make_uint4(0, 0, 0, 0);
+            xv[u] = inside(c, u) ? ld_nc(xp + c * ROWS8_CHUNK + 8 * u) : make_uint4(0, 0, 0, 0);
 #pragma unroll
         for (int q = 0; q < 4; q++) {
             const int u = q >> 1, s = 2 * (q & 1);
@@ -365,11 +365,11 @@ gemm_rows8(const bf16* __restrict__ W, const bf16* __restrict__ x, float* __rest
     // Two chunks in turn, one in flight while the other is multiplied.
     uint4 wa[2][2], wb[2][2];
     load(warp, wa);
-    for (int c = warp; c < chunks; c += 2 * SKINNY_WARPS) {
-        load(c + SKINNY_WARPS, wb);
+    for (int c = warp; c < chunks; c += 2 * ROWS8_WARPS) {
+        load(c + ROWS8_WARPS, wb);
         step(c, wa);
-        load(c + 2 * SKINNY_WARPS, wa);
-        if (c + SKINNY_WARPS < chunks) step(c + SKINNY_WARPS, wb);
+        load(c + 2 * ROWS8_WARPS, wa);
+        if (c + ROWS8_WARPS < chunks) step(c + ROWS8_WARPS, wb);
     }
     // D fragment: d0, d1 at output grp, rows 2 tig + {0, 1}; d2, d3 at output grp + 8.
 #pragma unroll
@@ -380,7 +380,7 @@ gemm_rows8(const bf16* __restrict__ W, const bf16* __restrict__ x, float* __rest
         if (t < m && row0 + c < n) {
             float s = 0.0f;
 #pragma unroll
-            for (int w = 0; w < SKINNY_WARPS; w++) s += red[w][t * RS + c];
+            for (int w = 0; w < ROWS8_WARPS; w++) s += red[w][t * RS + c];
             y[(long long)t * n + row0 + c] = s;
         }
     }

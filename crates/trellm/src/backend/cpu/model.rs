@@ -123,6 +123,11 @@ fn rows_mut(x: &mut [f32], width: usize, f: impl Fn(&mut [f32]) + Sync + Send) {
 /// `y = x W^T (+ b)` for a batch of sequences of `seq_rows` rows each.
 fn linear(x: &[f32], seq_rows: &[usize], l: &Linear, y: &mut [f32]) {
     cpu::linear_batched(x, seq_rows, &l.w, y);
+    add_bias(l, y);
+}
+
+/// `l`'s bias (if any) added to every row of `y`.
+fn add_bias(l: &Linear, y: &mut [f32]) {
     if let Some(b) = &l.b {
         y.chunks_mut(b.len())
             .for_each(|r| r.iter_mut().zip(b).for_each(|(v, c)| *v += c));
@@ -948,11 +953,7 @@ impl ShardedCpu {
                     Op::Down(e) => (e, &lw.down, &lw.post_ffn_norm),
                     op => unreachable!("a layer half ends in {op:?}"),
                 };
-                if let Some(b) = &proj.b {
-                    head.proj
-                        .chunks_mut(b.len())
-                        .for_each(|r| r.iter_mut().zip(b).for_each(|(v, c)| *v += c));
-                }
+                add_bias(proj, &mut head.proj);
                 residual(e, post, &mut head.x, &mut head.proj);
             }
         }
