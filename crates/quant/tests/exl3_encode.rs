@@ -98,20 +98,33 @@ fn encodes_decode_to_reported_cost_and_beat_greedy() {
 
 #[test]
 fn simd_matches_scalar() {
-    let levels = available_levels();
-    if !levels.contains(&Level::Avx512) {
-        eprintln!("no AVX-512 here: nothing to compare");
-        return;
-    }
     let mut rng = Rng(7);
-    for k in 1..=8u32 {
-        let mut s = Scratch::new(k);
-        let cb = CODEBOOKS[k as usize % 3];
-        let tile = gaussian_tile(&mut rng);
-        let a = encode::encode_tile_with(Level::Scalar, &tile, k, cb, &mut s);
-        let b = encode::encode_tile_with(Level::Avx512, &tile, k, cb, &mut s);
-        assert_eq!(a.bytes, b.bytes, "K={k} {cb:?}");
-        assert_eq!(a.cost.to_bits(), b.cost.to_bits(), "K={k} {cb:?}");
+    for level in available_levels() {
+        if level == Level::Scalar {
+            continue;
+        }
+        for k in 1..=8u32 {
+            let mut s = Scratch::new(k);
+            for cb in CODEBOOKS {
+                let tile = gaussian_tile(&mut rng);
+                let a = encode::encode_tile_with(Level::Scalar, &tile, k, cb, &mut s);
+                let b = encode::encode_tile_with(level, &tile, k, cb, &mut s);
+                assert_eq!(a.bytes, b.bytes, "{level:?} K={k} {cb:?}");
+                assert_eq!(a.cost.to_bits(), b.cost.to_bits(), "{level:?} K={k} {cb:?}");
+                let targets: [f32; 256] =
+                    std::array::from_fn(|p| tile[exl3::POSITION_INDEX[p] as usize]);
+                let (oa, ob) = (
+                    encode::open_cost_with(Level::Scalar, &mut s, cb, &targets),
+                    encode::open_cost_with(level, &mut s, cb, &targets),
+                );
+                assert_eq!(oa.to_bits(), ob.to_bits(), "{level:?} K={k} {cb:?} open");
+                assert!(
+                    oa <= a.cost,
+                    "K={k} {cb:?}: open {oa} > circular {}",
+                    a.cost
+                );
+            }
+        }
     }
 }
 

@@ -10,9 +10,12 @@
 //! The stream is circular (the first state's high bits are the last positions' symbols). Two
 //! passes make the result a valid circular stream: the first runs unconstrained on the tile
 //! rolled by 128 positions, and the edge its best path crosses between positions 255 and 0
-//! becomes the forced start and end of the second, which is the exact optimum among streams
-//! with that edge. Costs are f32 sums in position order, so the reported cost is bit-equal to
-//! the squared error of the decoded tile summed the same way.
+//! becomes the forced start and end of the second,
+//! which is the exact optimum among streams with that edge (up to the tie rule of the tagged
+//! costs, [`tag_mask`]). The reported cost is the decoded tile's squared error summed in
+//! position order.
+
+use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
@@ -58,9 +61,54 @@ impl Scratch {
     }
 }
 
+/// Edges per block of [`search_table`]: what one pass of the AVX-512 step's outer loop covers
+/// (four chains of 16 lanes).
+const BLOCK: usize = 64;
+
+/// The edge (within its group of 16) that lane `j` of the AVX-512 step holds. From K = 4 on,
+/// lane `j` is edge `j`. Below, the 16 edges' previous costs are only `m = 16 >> K` values,
+/// and with lane `j` on edge `(j % m) 2^K + j / m` they lie in the lanes as one `m`-value
+/// pattern repeated: a broadcast load instead of a permute per candidate. The step puts its
+/// results back in edge order once per 16 edges.
+fn lane_edge(k: u32, j: usize) -> usize {
+    if k >= 4 {
+        j
+    } else {
+        let m = 16 >> k;
+        (j % m) * (1 << k) + j / m
+    }
+}
+
+/// The codebook's values in the order the AVX-512 step reads them for `K`: per block of
+/// [`BLOCK`] edges, candidate `c`'s values for those edges (lanes as [`lane_edge`] orders them),
+/// `c` after `c`. In the plain table the 2^K candidates of an edge lie 2^(16-K) values apart,
+/// so their streams alias in the L1 cache; here a step reads the table front to back.
+fn search_table(cb: Codebook, k: u32) -> &'static [f32] {
+    static TABLES: [[OnceLock<Vec<f32>>; 8]; 3] = [const { [const { OnceLock::new() }; 8] }; 3];
+    let i = Codebook::ALL.iter().position(|(c, _)| *c == cb).unwrap();
+    TABLES[i][k as usize - 1].get_or_init(|| {
+        let (table, kr) = (codebook::table(cb), 16 - k);
+        (0..65536usize)
+            .map(|i| {
+                let (block, c, j) = (i / (BLOCK << k), i / BLOCK % (1 << k), i % BLOCK);
+                let edge = block * BLOCK + j / 16 * 16 + lane_edge(k, j % 16);
+                table[(c << kr) | edge]
+            })
+            .collect()
+    })
+}
+
+/// The low K bits of a candidate's f32 cost carry its `c`, so one unsigned minimum of the bit
+/// patterns (costs are never negative, so their bits order as their values) gives the best
+/// cost and its back-pointer together; the lowest `c` wins ties. Costs that differ only in those
+/// K bits (2^(K-23) relative) count as equal.
+fn tag_mask(k: u32) -> u32 {
+    (1 << k) - 1
+}
+
 /// One trellis step: for every edge `o`, the best of the 2^K states `(c << (16-K)) | o`, each
-/// costing `prev[state >> K] + (value(state) - w)^2` (first minimum wins). Writes `next` and
-/// the back-pointers `bp` (one byte per edge).
+/// costing `fma(d, d, prev[state >> K])`, `d = value(state) - w`, tagged with `c`. Writes `next`
+/// (untagged) and the back-pointers `bp` (one byte per edge).
 fn step_scalar(
     k: u32,
     table: &[f32; 65536],
@@ -70,20 +118,17 @@ fn step_scalar(
     w: f32,
 ) {
     let kr = 16 - k;
-    let edges = 1usize << kr;
-    for o in 0..edges {
-        let (mut best, mut bk) = (f32::INFINITY, 0u8);
+    let tag = tag_mask(k);
+    for o in 0..1usize << kr {
+        let mut best = u32::MAX;
         for c in 0..1usize << k {
             let s = (c << kr) | o;
             let d = table[s] - w;
-            let cost = prev[s >> k] + d * d;
-            if cost < best {
-                best = cost;
-                bk = c as u8;
-            }
+            let cost = d.mul_add(d, prev[s >> k]);
+            best = best.min(cost.to_bits() & !tag | c as u32);
         }
-        next[o] = best;
-        bp[o] = bk;
+        next[o] = f32::from_bits(best & !tag);
+        bp[o] = (best & tag) as u8;
     }
 }
 
@@ -91,14 +136,14 @@ fn step_scalar(
 mod avx512 {
     use std::arch::x86_64::*;
 
-    /// [`super::step_scalar`] on 64 edges at a time (four independent 16-lane chains, so the
-    /// compare/select latency overlaps): the 16 states of one candidate `c` are consecutive in
-    /// the table; their previous edges are `16 >> K` consecutive costs, each repeated 2^K times
-    /// (one broadcast from K = 4). Same operations in the same order per lane as the scalar
-    /// step, so the results are bit-identical.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    /// [`super::step_scalar`] on a block of 64 edges at a time (four independent 16-lane
+    /// chains), the values read from [`super::search_table`] and, below K = 4, the lanes in
+    /// [`super::lane_edge`]'s order. Per 16 states: a subtract, an fma, a ternary-logic tag and
+    /// an unsigned minimum; the same operations per lane as the scalar step, so the results
+    /// are bit-identical.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
     unsafe fn step_k<const K: u32>(
-        table: &[f32; 65536],
+        table: &[f32],
         prev: &[f32],
         next: &mut [f32],
         bp: &mut [u8],
@@ -108,47 +153,67 @@ mod avx512 {
         let edges = 1usize << kr;
         debug_assert!(prev.len() >= edges + 16 && next.len() >= edges && bp.len() >= edges);
         let wv = _mm512_set1_ps(w);
-        let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        let perm = _mm512_srli_epi32::<K>(lanes);
+        let tag = _mm512_set1_epi32(super::tag_mask(K) as i32);
+        let keep = _mm512_set1_epi32(!super::tag_mask(K) as i32);
+        // Lane j of a result holds edge lane_edge(j): back to edge order.
+        let mut inverse = [0i32; 16];
+        for j in 0..16 {
+            inverse[super::lane_edge(K, j)] = j as i32;
+        }
+        let unshuffle = _mm512_loadu_si512(inverse.as_ptr() as *const _);
         let (tp, pp) = (table.as_ptr(), prev.as_ptr());
-        const G: usize = 4;
-        for o0 in (0..edges).step_by(16 * G) {
-            let mut best = [_mm512_set1_ps(f32::INFINITY); G];
-            let mut bk = [_mm512_setzero_si512(); G];
+        const G: usize = super::BLOCK / 16;
+        for o0 in (0..edges).step_by(super::BLOCK) {
+            let mut best = [_mm512_set1_epi32(-1); G];
+            let block = tp.add(o0 << K);
             for c in 0..1usize << K {
                 let cv = _mm512_set1_epi32(c as i32);
-                for g in 0..G {
+                for (g, best) in best.iter_mut().enumerate() {
                     let o = o0 + 16 * g;
-                    let v = _mm512_loadu_ps(tp.add((c << kr) | o));
-                    let base = (c << (kr - K)) | (o >> K);
-                    let p = if K >= 4 {
-                        _mm512_set1_ps(*pp.add(base))
-                    } else {
-                        _mm512_permutexvar_ps(perm, _mm512_loadu_ps(pp.add(base)))
+                    let v = _mm512_loadu_ps(block.add(c * super::BLOCK + 16 * g));
+                    let base = pp.add((c << (kr - K)) | (o >> K));
+                    let p = match K {
+                        // m = 8, 4, 2 costs, repeated 2^K times.
+                        1 => _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd(
+                            base as *const f64,
+                        ))),
+                        2 => _mm512_broadcast_f32x4(_mm_loadu_ps(base)),
+                        3 => {
+                            _mm512_castpd_ps(_mm512_set1_pd((base as *const f64).read_unaligned()))
+                        }
+                        _ => _mm512_set1_ps(*base),
                     };
                     let d = _mm512_sub_ps(v, wv);
-                    let cost = _mm512_add_ps(p, _mm512_mul_ps(d, d));
-                    let lt = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(cost, best[g]);
-                    best[g] = _mm512_mask_mov_ps(best[g], lt, cost);
-                    bk[g] = _mm512_mask_mov_epi32(bk[g], lt, cv);
+                    let cost = _mm512_castps_si512(_mm512_fmadd_ps(d, d, p));
+                    // (cost & keep) | c
+                    let tagged = _mm512_ternarylogic_epi32::<0xEA>(cost, keep, cv);
+                    *best = _mm512_min_epu32(*best, tagged);
                 }
             }
-            for g in 0..G {
+            for (g, &best) in best.iter().enumerate() {
                 let o = o0 + 16 * g;
-                _mm512_storeu_ps(next.as_mut_ptr().add(o), best[g]);
+                let best = if K >= 4 {
+                    best
+                } else {
+                    _mm512_permutexvar_epi32(unshuffle, best)
+                };
+                _mm512_storeu_si512(
+                    next.as_mut_ptr().add(o) as *mut _,
+                    _mm512_and_si512(best, keep),
+                );
                 _mm_storeu_si128(
                     bp.as_mut_ptr().add(o) as *mut __m128i,
-                    _mm512_cvtepi32_epi8(bk[g]),
+                    _mm512_cvtepi32_epi8(_mm512_and_si512(best, tag)),
                 );
             }
         }
     }
 
     /// Dispatches to the kernel compiled for this K (1..=8).
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
     pub(super) unsafe fn step(
         k: u32,
-        table: &[f32; 65536],
+        table: &[f32],
         prev: &[f32],
         next: &mut [f32],
         bp: &mut [u8],
@@ -167,35 +232,124 @@ mod avx512 {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    /// [`super::step_scalar`] on 32 edges at a time (four 8-lane chains) over the plain table,
+    /// as the AVX-512 step with an and + or for the tag; bit-identical to the scalar step.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn step_k<const K: u32>(
+        table: &[f32],
+        prev: &[f32],
+        next: &mut [f32],
+        bp: &mut [u8],
+        w: f32,
+    ) {
+        let kr = 16 - K;
+        let edges = 1usize << kr;
+        debug_assert!(prev.len() >= edges + 16 && next.len() >= edges && bp.len() >= edges);
+        let wv = _mm256_set1_ps(w);
+        let tag = _mm256_set1_epi32(super::tag_mask(K) as i32);
+        let keep = _mm256_set1_epi32(!super::tag_mask(K) as i32);
+        let perm = _mm256_srlv_epi32(
+            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+            _mm256_set1_epi32(K as i32),
+        );
+        let (tp, pp) = (table.as_ptr(), prev.as_ptr());
+        const G: usize = 4;
+        for o0 in (0..edges).step_by(8 * G) {
+            let mut best = [_mm256_set1_epi32(-1); G];
+            for c in 0..1usize << K {
+                let cv = _mm256_set1_epi32(c as i32);
+                for (g, best) in best.iter_mut().enumerate() {
+                    let o = o0 + 8 * g;
+                    let v = _mm256_loadu_ps(tp.add((c << kr) | o));
+                    let base = (c << (kr - K)) | (o >> K);
+                    let p = if K >= 3 {
+                        _mm256_set1_ps(*pp.add(base))
+                    } else {
+                        _mm256_permutevar8x32_ps(_mm256_loadu_ps(pp.add(base)), perm)
+                    };
+                    let d = _mm256_sub_ps(v, wv);
+                    let cost = _mm256_castps_si256(_mm256_fmadd_ps(d, d, p));
+                    let tagged = _mm256_or_si256(_mm256_and_si256(cost, keep), cv);
+                    *best = _mm256_min_epu32(*best, tagged);
+                }
+            }
+            for (g, &best) in best.iter().enumerate() {
+                let o = o0 + 8 * g;
+                _mm256_storeu_si256(
+                    next.as_mut_ptr().add(o) as *mut __m256i,
+                    _mm256_and_si256(best, keep),
+                );
+                let t: [u32; 8] = std::mem::transmute(_mm256_and_si256(best, tag));
+                for (j, &c) in t.iter().enumerate() {
+                    bp[o + j] = c as u8;
+                }
+            }
+        }
+    }
+
+    /// Dispatches to the kernel compiled for this K (1..=8).
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn step(
+        k: u32,
+        table: &[f32],
+        prev: &[f32],
+        next: &mut [f32],
+        bp: &mut [u8],
+        w: f32,
+    ) {
+        match k {
+            1 => step_k::<1>(table, prev, next, bp, w),
+            2 => step_k::<2>(table, prev, next, bp, w),
+            3 => step_k::<3>(table, prev, next, bp, w),
+            4 => step_k::<4>(table, prev, next, bp, w),
+            5 => step_k::<5>(table, prev, next, bp, w),
+            6 => step_k::<6>(table, prev, next, bp, w),
+            7 => step_k::<7>(table, prev, next, bp, w),
+            _ => step_k::<8>(table, prev, next, bp, w),
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
 fn step_with(
     level: Level,
+    cb: Codebook,
     k: u32,
-    table: &[f32; 65536],
     prev: &[f32],
     next: &mut [f32],
     bp: &mut [u8],
     w: f32,
 ) {
     match level {
+        // SAFETY (both): the level's features were checked at run time; buffers are sized by
+        // `Scratch::new` for this K (costs padded by 16), the search table for this K.
         #[cfg(target_arch = "x86_64")]
-        Level::Avx512 if level.is_available() => {
-            // SAFETY: the level's features were checked at run time; buffers are sized by
-            // `Scratch::new` for this K (costs padded by 16).
-            unsafe { avx512::step(k, table, prev, next, bp, w) }
-        }
-        _ => step_scalar(k, table, prev, next, bp, w),
+        Level::Avx512 if level.is_available() => unsafe {
+            avx512::step(k, search_table(cb, k), prev, next, bp, w)
+        },
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 if level.is_available() => unsafe {
+            avx2::step(k, codebook::table(cb), prev, next, bp, w)
+        },
+        _ => step_scalar(k, codebook::table(cb), prev, next, bp, w),
     }
 }
 
-/// One forward pass over the positions `(i + roll) & 255`, `i = 0..256`, from `start` (`None`:
-/// any edge at cost 0; `Some(e)`: only edge `e`). Leaves the final costs in `s.cost`. Steps
-/// before `keep_from` need no back-pointers and skip storing them.
+/// `steps` forward steps over the positions `(first + i) & 255` from `start` (`None`: any edge
+/// at cost 0; `Some(e)`: only edge `e`). Leaves the final costs in `s.cost`. Steps before
+/// `keep_from` need no back-pointers and skip storing them.
+#[allow(clippy::too_many_arguments)]
 fn forward(
     level: Level,
     s: &mut Scratch,
-    table: &[f32; 65536],
+    cb: Codebook,
     targets: &[f32; 256],
-    roll: usize,
+    first: usize,
+    steps: usize,
     start: Option<usize>,
     keep_from: usize,
 ) {
@@ -208,27 +362,35 @@ fn forward(
             s.cost[e] = 0.0;
         }
     }
-    for i in 0..256 {
-        let w = targets[(i + roll) & 255];
+    for i in 0..steps {
+        let w = targets[(first + i) & 255];
         let bp = if i >= keep_from {
             &mut s.bp[i * edges..(i + 1) * edges]
         } else {
             &mut s.spare[..]
         };
-        step_with(level, k, table, &s.cost, &mut s.next, bp, w);
+        step_with(level, cb, k, &s.cost, &mut s.next, bp, w);
         std::mem::swap(&mut s.cost, &mut s.next);
     }
 }
 
-/// Follows the back-pointers from edge `end` after the last step down to step `stop`, writing
-/// the states of the positions it passes; returns the edge before step `stop`.
-fn backtrack(s: &Scratch, roll: usize, end: usize, stop: usize, states: &mut [u16; 256]) -> usize {
+/// Follows the back-pointers from edge `end` after step `steps - 1` down to step `stop`,
+/// writing the states of the positions `(first + i) & 255` it passes; returns the edge before
+/// step `stop`.
+fn backtrack(
+    s: &Scratch,
+    first: usize,
+    steps: usize,
+    end: usize,
+    stop: usize,
+    states: &mut [u16; 256],
+) -> usize {
     let (k, kr) = (s.k, 16 - s.k);
     let edges = 1usize << kr;
     let mut edge = end;
-    for i in (stop..256).rev() {
+    for i in (stop..steps).rev() {
         let state = ((s.bp[i * edges + edge] as usize) << kr) | edge;
-        states[(i + roll) & 255] = state as u16;
+        states[(first + i) & 255] = state as u16;
         edge = state >> k;
     }
     edge
@@ -245,8 +407,10 @@ fn argmin(costs: &[f32]) -> usize {
     best
 }
 
-/// The states of the best circular stream for `targets` (in position order), and its cost.
-/// Non-finite targets give some valid stream (their positions cost infinity), never a panic.
+/// The states of the best circular stream for `targets` (in position order), and its squared
+/// error summed in position order (separate multiplies and adds, as a plain loop over the
+/// decoded tile sums it). Non-finite targets give some valid stream (their positions cost
+/// infinity), never a panic.
 pub fn viterbi_with(
     level: Level,
     s: &mut Scratch,
@@ -258,14 +422,42 @@ pub fn viterbi_with(
     let mut states = [0u16; 256];
     // Pass 1, rolled by 128: only its steps over positions 0..127 (i >= 128) are traced back,
     // to the edge between positions 255 and 0.
-    forward(level, s, table, targets, 128, None, 128);
+    forward(level, s, cb, targets, 128, 256, None, 128);
     let end = argmin(&s.cost[..edges]);
-    let wrap = backtrack(s, 128, end, 128, &mut states);
-    // Pass 2: from that edge back to it.
-    forward(level, s, table, targets, 0, Some(wrap), 0);
-    let cost = s.cost[wrap];
-    backtrack(s, 0, wrap, 0, &mut states);
+    let wrap = backtrack(s, 128, 256, end, 128, &mut states);
+    // Pass 2: the whole tile from that edge back to it.
+    forward(level, s, cb, targets, 0, 256, Some(wrap), 0);
+    backtrack(s, 0, 256, wrap, 0, &mut states);
+    let cost = states.iter().zip(targets).fold(0.0f32, |acc, (&st, &t)| {
+        let d = table[st as usize] - t;
+        acc + d * d
+    });
     (states, cost)
+}
+
+/// The squared error of the best stream for `targets` when its ends need not meet (one
+/// unconstrained pass, no back-pointers): half the work of [`viterbi_with`], and within the
+/// wrap-around's few positions of its cost, which is all a comparison of scales needs.
+pub fn open_cost_with(level: Level, s: &mut Scratch, cb: Codebook, targets: &[f32; 256]) -> f32 {
+    let edges = 1usize << (16 - s.k);
+    forward(level, s, cb, targets, 0, 256, None, 256);
+    s.cost[argmin(&s.cost[..edges])]
+}
+
+/// [`open_cost_with`] of many tiles (row-major, as [`encode_tile`] takes them) on the caller's
+/// rayon pool.
+pub fn open_costs(tiles: &[[f32; 256]], k: u32, cb: Codebook) -> Vec<f32> {
+    let level = super::simd::best_level();
+    tiles
+        .par_iter()
+        .map_init(
+            || Scratch::new(k),
+            |s, tile| {
+                let targets: [f32; 256] = std::array::from_fn(|p| tile[POSITION_INDEX[p] as usize]);
+                open_cost_with(level, s, cb, &targets)
+            },
+        )
+        .collect()
 }
 
 /// The stream bits of a state sequence: position `p` owns bits `[p K, p K + K)`, the low K bits

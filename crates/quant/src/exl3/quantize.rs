@@ -117,14 +117,21 @@ fn tile_of(m: &[f32], n: usize, tk: usize, tn: usize) -> [f32; 256] {
     std::array::from_fn(|i| m[(16 * tk + i / 16) * n + 16 * tn + i % 16])
 }
 
-/// Tiles the scale search tries: a wrapped diagonal three tiles wide (every tile row and
-/// column), plus the highest- and lowest-RMS tiles (outlier channels).
+/// At most this many tiles of the wrapped diagonal go to the scale search (a single global
+/// factor: 32k weights pin it down well, and the search cost stays flat in the layer's size).
+const SCALE_SAMPLE: usize = 128;
+
+/// Tiles the scale search tries: up to [`SCALE_SAMPLE`] tiles spread along a wrapped diagonal
+/// three tiles wide (every tile row and column where there are few), plus the highest- and
+/// lowest-RMS tiles (outlier channels).
 fn scale_sample(w: &[f32], k: usize, n: usize) -> Vec<[f32; 256]> {
     let (tk, tn) = (k / 16, n / 16);
     let len = tk.max(tn);
-    let mut picks: Vec<(usize, usize)> = (0..len)
+    let diagonal: Vec<(usize, usize)> = (0..len)
         .flat_map(|i| (0..3).map(move |d| (i % tk, (i + d) % tn)))
         .collect();
+    let stride = diagonal.len().div_ceil(SCALE_SAMPLE);
+    let mut picks: Vec<(usize, usize)> = diagonal.into_iter().step_by(stride).collect();
     let mut by_rms: Vec<(f32, usize, usize)> = (0..tk)
         .flat_map(|a| (0..tn).map(move |b| (a, b)))
         .map(|(a, b)| (rms(tile_of(w, n, a, b).into_iter()), a, b))
@@ -141,12 +148,13 @@ fn scale_sample(w: &[f32], k: usize, n: usize) -> Vec<[f32; 256]> {
         .collect()
 }
 
-/// Mean squared error, in the unscaled frame, of encoding `tiles * s`.
+/// Mean squared error, in the unscaled frame, of encoding `tiles * s` (open streams: the
+/// wrap-around constraint shifts every scale's cost alike).
 fn scaled_mse(tiles: &[[f32; 256]], s: f32, bits: u32, cb: Codebook) -> f64 {
     let scaled: Vec<[f32; 256]> = tiles.iter().map(|t| t.map(|v| v * s)).collect();
-    let cost: f64 = encode::encode_tiles(&scaled, bits, cb)
+    let cost: f64 = encode::open_costs(&scaled, bits, cb)
         .iter()
-        .map(|e| e.cost as f64)
+        .map(|&c| c as f64)
         .sum();
     cost / (s as f64 * s as f64) / (256 * tiles.len()) as f64
 }
@@ -179,6 +187,24 @@ fn search_scale(tiles: &[[f32; 256]], bits: u32, cb: Codebook) -> f32 {
     (c + offset * STEP).max(0.01)
 }
 
+/// `a . b` in f64 with eight independent partial sums (so it vectorizes).
+fn dot(a: &[f64], b: &[f64]) -> f64 {
+    let mut acc = [0.0f64; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f64 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ca.zip(cb) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    acc.iter().sum::<f64>() + tail
+}
+
 /// How many inputs of `H` (k x k, positive semi-definite) add a direction the earlier ones do
 /// not span: a Cholesky that passes over pivots below `RANK_TOL` of their own diagonal (all of
 /// an input's variance explained by the inputs before it) instead of failing on them.
@@ -187,10 +213,8 @@ fn numerical_rank(h: &[f64], k: usize) -> usize {
     let mut a = h.to_vec();
     let mut rank = 0;
     for j in 0..k {
-        let mut d = a[j * k + j];
-        for p in 0..j {
-            d -= a[j * k + p] * a[j * k + p];
-        }
+        let row = &a[j * k..j * k + j];
+        let d = a[j * k + j] - dot(row, row);
         let (head, tail) = a.split_at_mut((j + 1) * k);
         let row_j = &mut head[j * k..j * k + j + 1];
         if d.is_nan() || d <= RANK_TOL * h[j * k + j] {
@@ -204,11 +228,7 @@ fn numerical_rank(h: &[f64], k: usize) -> usize {
         row_j[j] = d;
         let row_j = &head[j * k..j * k + j];
         tail.par_chunks_mut(k).for_each(|row_i| {
-            let mut s = row_i[j];
-            for p in 0..j {
-                s -= row_i[p] * row_j[p];
-            }
-            row_i[j] = s / d;
+            row_i[j] = (row_i[j] - dot(&row_i[..j], row_j)) / d;
         });
     }
     rank
@@ -260,10 +280,8 @@ fn prepare_h(
 /// In-place lower Cholesky `H = L L^T` (f64); `Err(i)` at the first non-positive pivot.
 fn cholesky(a: &mut [f64], k: usize) -> Result<(), usize> {
     for j in 0..k {
-        let mut d = a[j * k + j];
-        for p in 0..j {
-            d -= a[j * k + p] * a[j * k + p];
-        }
+        let row = &a[j * k..j * k + j];
+        let d = a[j * k + j] - dot(row, row);
         if d.is_nan() || d <= 0.0 || !d.is_finite() {
             return Err(j);
         }
@@ -272,11 +290,7 @@ fn cholesky(a: &mut [f64], k: usize) -> Result<(), usize> {
         let (head, tail) = a.split_at_mut((j + 1) * k);
         let row_j = &head[j * k..j * k + j];
         tail.par_chunks_mut(k).for_each(|row_i| {
-            let mut s = row_i[j];
-            for p in 0..j {
-                s -= row_i[p] * row_j[p];
-            }
-            row_i[j] = s / d;
+            row_i[j] = (row_i[j] - dot(&row_i[..j], row_j)) / d;
         });
         for v in &mut a[j * k + j + 1..(j + 1) * k] {
             *v = 0.0;
@@ -342,6 +356,46 @@ fn block_ldl(
         }
     }
     Some(l)
+}
+
+/// `sum_c m_c^T H m_c` over the columns `m_c` of the `[k][n]` matrix whose element `i` (row-major)
+/// is `m(i)`, `H` `k x k` (f64): one GEMM `H M` per band of columns.
+fn quad_sum(h: &[f64], k: usize, n: usize, m: impl Fn(usize) -> f64 + Sync) -> f64 {
+    const BAND: usize = 512;
+    (0..n)
+        .step_by(BAND)
+        .map(|c0| {
+            let nc = BAND.min(n - c0);
+            let band: Vec<f64> = (0..k * nc).map(|i| m(i / nc * n + c0 + i % nc)).collect();
+            let mut hm = vec![0.0f64; k * nc];
+            // SAFETY: dst `hm` is k x nc (row stride nc), lhs `h` k x k (row stride k), rhs `band`
+            // k x nc (row stride nc): all in bounds.
+            unsafe {
+                gemm::gemm(
+                    k,
+                    nc,
+                    k,
+                    hm.as_mut_ptr(),
+                    1,
+                    nc as isize,
+                    false,
+                    h.as_ptr(),
+                    1,
+                    k as isize,
+                    band.as_ptr(),
+                    1,
+                    nc as isize,
+                    0.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::Rayon(rayon::current_num_threads()),
+                );
+            }
+            band.iter().zip(&hm).map(|(a, b)| a * b).sum::<f64>()
+        })
+        .sum()
 }
 
 /// Quantizes `w` (`[k][n]` row-major, `y = x w`) with optional input second moment `h`
@@ -525,20 +579,8 @@ pub fn quantize_layer(
             num / den.max(1e-30)
         }
         Some(hi) => {
-            let quad = |m: &(dyn Fn(usize) -> f64 + Sync)| -> f64 {
-                // sum over columns c of m_c^T H m_c, m_c the column of a [k][n] matrix.
-                (0..n)
-                    .into_par_iter()
-                    .map(|c| {
-                        let col: Vec<f64> = (0..k).map(|r| m(r * n + c)).collect();
-                        (0..k)
-                            .map(|i| col[i] * (0..k).map(|j| hi[i * k + j] * col[j]).sum::<f64>())
-                            .sum::<f64>()
-                    })
-                    .sum()
-            };
-            let num = quad(&|i| (wr[i] - q[i]) as f64);
-            let den = quad(&|i| wr[i] as f64);
+            let num = quad_sum(hi, k, n, |i| (wr[i] - q[i]) as f64);
+            let den = quad_sum(hi, k, n, |i| wr[i] as f64);
             num / den.max(1e-30)
         }
     };

@@ -95,18 +95,23 @@ pub fn rows(tokens: &[u32], bos: Option<u32>, rows: usize, cols: usize) -> Vec<V
 
 /// Rows per f32 product before it is added to the f64 sum: small enough that the f32 partial
 /// sums lose nothing that matters, large enough for the GEMM to run at speed.
-const CHUNK_ROWS: usize = 256;
+const CHUNK_ROWS: usize = 2048;
 
 /// `H = sum x x^T` over the finite input rows seen (`dim x dim`, f64), with the count of rows
-/// left out because they held inf or NaN.
+/// left out because they held inf or NaN. Only the lower triangle is summed (H is symmetric);
+/// [`Hessian::padded`] gives the whole matrix.
 pub struct Hessian {
     pub dim: usize,
-    pub h: Vec<f64>,
+    /// Row-major; entries above the diagonal are not kept up to date.
+    h: Vec<f64>,
     pub rows: usize,
     pub skipped: usize,
     buf: Vec<f32>,
     prod: Vec<f32>,
 }
+
+/// Rows of H computed by one GEMM of the lower triangle (each band up to its last column).
+const BAND: usize = 128;
 
 impl Hessian {
     pub fn new(dim: usize) -> Hessian {
@@ -140,38 +145,45 @@ impl Hessian {
         if m == 0 {
             return;
         }
-        // SAFETY: dst is d x d (row stride d), lhs = X^T (element (i, p) = buf[p d + i]),
-        // rhs = X (element (p, j) = buf[p d + j]), X being m x d: all in bounds.
-        unsafe {
-            gemm::gemm(
-                d,
-                d,
-                m,
-                self.prod.as_mut_ptr(),
-                1,
-                d as isize,
-                false,
-                self.buf.as_ptr(),
-                d as isize,
-                1,
-                self.buf.as_ptr(),
-                1,
-                d as isize,
-                0.0,
-                1.0,
-                false,
-                false,
-                false,
-                gemm::Parallelism::Rayon(rayon::current_num_threads()),
-            );
+        for i0 in (0..d).step_by(BAND) {
+            let i1 = (i0 + BAND).min(d);
+            // SAFETY: dst is rows i0..i1, columns 0..i1 of the d x d `prod` (row stride d); lhs =
+            // X^T's rows i0..i1 (element (i, p) = buf[p d + i0 + i]), rhs = X's columns 0..i1
+            // (element (p, j) = buf[p d + j]), X being m x d: all in bounds.
+            unsafe {
+                gemm::gemm(
+                    i1 - i0,
+                    i1,
+                    m,
+                    self.prod.as_mut_ptr().add(i0 * d),
+                    1,
+                    d as isize,
+                    false,
+                    self.buf.as_ptr().add(i0),
+                    d as isize,
+                    1,
+                    self.buf.as_ptr(),
+                    1,
+                    d as isize,
+                    0.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::Rayon(rayon::current_num_threads()),
+                );
+            }
         }
+        let lower = |i: usize| i * d..i * d + i + 1;
         // A product of squares can overflow f32 even from finite rows; such a chunk is
         // recounted as skipped rather than poisoning H.
-        if self.prod.iter().all(|v| v.is_finite()) {
-            self.h
-                .iter_mut()
-                .zip(&self.prod)
-                .for_each(|(h, &p)| *h += p as f64);
+        if (0..d).all(|i| self.prod[lower(i)].iter().all(|v| v.is_finite())) {
+            for i in 0..d {
+                self.h[lower(i)]
+                    .iter_mut()
+                    .zip(&self.prod[lower(i)])
+                    .for_each(|(h, &p)| *h += p as f64);
+            }
             self.rows += m;
         } else {
             self.skipped += m;
@@ -184,7 +196,9 @@ impl Hessian {
         let d = self.dim;
         let mut out = vec![0.0; k * k];
         for i in 0..d {
-            out[i * k..i * k + d].copy_from_slice(&self.h[i * d..(i + 1) * d]);
+            for j in 0..d {
+                out[i * k + j] = self.h[i.max(j) * d + i.min(j)];
+            }
         }
         out
     }
@@ -212,7 +226,7 @@ mod tests {
                     .filter(|&r| r != 2 && r != 4)
                     .map(|r| x[r * d + i] as f64 * x[r * d + j] as f64)
                     .sum();
-                assert!((h.h[i * d + j] - want).abs() < 1e-5, "{i} {j}");
+                assert!((h.padded(d)[i * d + j] - want).abs() < 1e-5, "{i} {j}");
             }
         }
     }

@@ -27,7 +27,7 @@ use trellm_quant::exl3::codebook::{MCG_MUL, MUL1_MUL};
 use trellm_quant::exl3::quantize::{quantize_layer, LayerOptions};
 use trellm_quant::exl3::Codebook;
 
-use crate::backend::cpu::model::Tap;
+use crate::backend::cpu::model::{Tail, Tap};
 use crate::backend::cpu::{self, CpuModel};
 use crate::model::load::LoadedModel;
 use crate::model::plan::Op;
@@ -500,7 +500,7 @@ fn quantize_hf(
             for row in &state {
                 let mut x = row.clone();
                 let n = row.len() / hidden;
-                model.forward_layer(half, &qlw, &mut x, &mut |tap, input| {
+                model.forward_layer(half, &qlw, &mut x, Tail::TapOnly, &mut |tap, input| {
                     hs.entry(tap)
                         .or_insert_with(|| Hessian::new(input.len() / n))
                         .add(input);
@@ -538,7 +538,7 @@ fn quantize_hf(
             }
             // On through the quantized half.
             for row in &mut state {
-                model.forward_layer(half, &qlw, row, &mut |_, _| {})?;
+                model.forward_layer(half, &qlw, row, Tail::Residual, &mut |_, _| {})?;
             }
         }
         folder::write_safetensors(&ck.layer_file(l), &tensors.iter().collect::<Vec<_>>())?;

@@ -18,6 +18,18 @@ const ATTN_GEMM_MIN_QUERIES: usize = 16;
 /// Queries per attention task in prefill.
 const ATTN_QUERY_TILE: usize = 64;
 
+/// What a layer's output and down projections do with their product.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tail {
+    /// Add it (with the bias and any post-norm) to the residual stream: the whole layer.
+    Residual,
+    /// Leave it, without bias, in the scratch's `proj` and add nothing: a tensor-parallel
+    /// rank's partial sum.
+    Partial,
+    /// Skip it: a pass that only collects the projections' inputs.
+    TapOnly,
+}
+
 /// A model on the CPU: shared by every sequence, immutable.
 pub struct CpuModel {
     pub cfg: ModelConfig,
@@ -233,7 +245,16 @@ impl CpuModel {
             .zip(&self.weights.layers)
             .enumerate()
         {
-            self.layer(l, &lp.ops, lw, batch, kv, &mut st, &mut |_, _| {}, false);
+            self.layer(
+                l,
+                &lp.ops,
+                lw,
+                batch,
+                kv,
+                &mut st,
+                &mut |_, _| {},
+                Tail::Residual,
+            );
         }
         self.logits(batch, &mut st)
     }
@@ -297,8 +318,7 @@ impl CpuModel {
     }
 
     /// Runs `ops` (a layer's plan or a part of it), showing `tap` each linear layer's input.
-    /// With `partial`, the output and down projections leave their product, without bias, in
-    /// `st.proj` and add nothing to the residual stream (a tensor-parallel rank's partial sum).
+    /// `tail` says what the output and down projections do (see [`Tail`]).
     #[allow(clippy::too_many_arguments)]
     fn layer(
         &self,
@@ -309,7 +329,7 @@ impl CpuModel {
         kv: &mut CpuKv,
         st: &mut Scratch,
         tap: &mut (dyn FnMut(Tap, &[f32]) + Send),
-        partial: bool,
+        tail: Tail,
     ) {
         let m = batch.tokens.len();
         let rows: Vec<usize> = batch.seqs.iter().map(|s| s.len).collect();
@@ -404,11 +424,13 @@ impl CpuModel {
                 }
                 Op::Output(e) => {
                     tap(Tap::O, &st.attn);
-                    if partial {
-                        cpu::linear_batched(&st.attn, rows, &lw.o.w, &mut st.proj);
-                    } else {
-                        linear(&st.attn, rows, &lw.o, &mut st.proj);
-                        residual(e, &lw.post_attn_norm, &mut st.x, &mut st.proj);
+                    match tail {
+                        Tail::Residual => {
+                            linear(&st.attn, rows, &lw.o, &mut st.proj);
+                            residual(e, &lw.post_attn_norm, &mut st.x, &mut st.proj);
+                        }
+                        Tail::Partial => cpu::linear_batched(&st.attn, rows, &lw.o.w, &mut st.proj),
+                        Tail::TapOnly => {}
                     }
                 }
                 Op::MlpNorm(n) => pre_norm(st, n, &lw.ffn_norm),
@@ -437,11 +459,15 @@ impl CpuModel {
                 }
                 Op::Down(e) => {
                     tap(Tap::Down, &st.gate);
-                    if partial {
-                        cpu::linear_batched(&st.gate, rows, &lw.down.w, &mut st.proj);
-                    } else {
-                        linear(&st.gate, rows, &lw.down, &mut st.proj);
-                        residual(e, &lw.post_ffn_norm, &mut st.x, &mut st.proj);
+                    match tail {
+                        Tail::Residual => {
+                            linear(&st.gate, rows, &lw.down, &mut st.proj);
+                            residual(e, &lw.post_ffn_norm, &mut st.x, &mut st.proj);
+                        }
+                        Tail::Partial => {
+                            cpu::linear_batched(&st.gate, rows, &lw.down.w, &mut st.proj)
+                        }
+                        Tail::TapOnly => {}
                     }
                 }
             }
@@ -806,12 +832,14 @@ impl CpuModel {
     /// (`[tokens][hidden]`) of one sequence at positions `0..tokens`, in place, showing `tap`
     /// the input rows of each linear projection. The quantizer's calibration pass runs a model
     /// this way, a half-layer (with weights it has just quantized) at a time; the keys and
-    /// values live in a cache of one layer made for the call.
+    /// values live in a cache of one layer made for the call. With [`Tail::TapOnly`] the output
+    /// and down projections are only shown to `tap`, and `x` is left as it was.
     pub fn forward_layer(
         &self,
         ops: &[Op],
         lw: &LayerWeights,
         x: &mut [f32],
+        tail: Tail,
         tap: &mut (dyn FnMut(Tap, &[f32]) + Send),
     ) -> Result<()> {
         let cfg = &self.cfg;
@@ -839,8 +867,10 @@ impl CpuModel {
         );
         let mut st = Scratch::new(cfg, m);
         st.x.copy_from_slice(x);
-        cpu::pool().install(|| self.layer(0, ops, lw, &batch, &mut kv, &mut st, tap, false));
-        x.copy_from_slice(&st.x);
+        cpu::pool().install(|| self.layer(0, ops, lw, &batch, &mut kv, &mut st, tap, tail));
+        if tail != Tail::TapOnly {
+            x.copy_from_slice(&st.x);
+        }
         Ok(())
     }
 
@@ -938,7 +968,7 @@ impl ShardedCpu {
                     st.x.copy_from_slice(&x);
                     let ops = &rank.plan.layers[l].ops[half.clone()];
                     let lw = &rank.weights.layers[l];
-                    rank.layer(l, ops, lw, batch, k, st, &mut |_, _| {}, true);
+                    rank.layer(l, ops, lw, batch, k, st, &mut |_, _| {}, Tail::Partial);
                 }
                 let (head, rest) = sts.split_first_mut().expect("at least one rank");
                 for st in rest.iter() {
