@@ -24,11 +24,48 @@ use trellm_quant::exl3::POSITION_INDEX;
 use crate::kernels::VITERBI;
 use crate::{Arg, Gpu};
 
-/// The CPU's pass 1 (`encode::viterbi_with`): steps, roll, first step whose back-pointers are
-/// traced back (to the edge between positions 255 and 0). Pass 2 is 256 steps from that edge.
-pub const PASS1_STEPS: i32 = 256;
-pub const PASS1_ROLL: i32 = 128;
-pub const PASS1_KEEP: i32 = 128;
+/// What the search computes; must be the CPU's (`encode::viterbi_with`), see [`CPU_RULE`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Rule {
+    /// The step: false, `prev + d * d` (separate roundings), the first minimum wins; true,
+    /// `fma(d, d, prev)` with its low K bits replaced by the candidate, the unsigned minimum.
+    pub tagged: bool,
+    /// Pass 1: `steps` steps over positions `(first + i) & 255` from a free start, traced back
+    /// from its best end over steps `steps - 1` down to `keep` to the edge between positions 255
+    /// and 0. Pass 2 is always 256 steps from that edge back to it.
+    pub first: i32,
+    pub steps: i32,
+    pub keep: i32,
+}
+
+/// The CPU encoder's rule in this tree (`encode::viterbi_with`): untagged steps, pass 1 over
+/// the tile rolled by 128, its steps over positions 0..127 traced back.
+pub const CPU_RULE: Rule = Rule {
+    tagged: false,
+    first: 128,
+    steps: 256,
+    keep: 128,
+};
+
+/// Every module CI compiles (`kernels::VITERBI.variants`): K = 1..8, untagged and tagged.
+pub const VARIANTS: &[&str] = &[
+    "VIT_K=1,VIT_TAGGED=0",
+    "VIT_K=2,VIT_TAGGED=0",
+    "VIT_K=3,VIT_TAGGED=0",
+    "VIT_K=4,VIT_TAGGED=0",
+    "VIT_K=5,VIT_TAGGED=0",
+    "VIT_K=6,VIT_TAGGED=0",
+    "VIT_K=7,VIT_TAGGED=0",
+    "VIT_K=8,VIT_TAGGED=0",
+    "VIT_K=1,VIT_TAGGED=1",
+    "VIT_K=2,VIT_TAGGED=1",
+    "VIT_K=3,VIT_TAGGED=1",
+    "VIT_K=4,VIT_TAGGED=1",
+    "VIT_K=5,VIT_TAGGED=1",
+    "VIT_K=6,VIT_TAGGED=1",
+    "VIT_K=7,VIT_TAGGED=1",
+    "VIT_K=8,VIT_TAGGED=1",
+];
 
 /// Threads per block (the kernel's `THREADS`).
 const THREADS: u32 = 1024;
@@ -56,13 +93,13 @@ fn shared_bytes(k: u32) -> usize {
 /// The encoder's device state: kernels, codebook tables, scratch (grown on demand).
 pub struct ViterbiGpu {
     gpu: Arc<Gpu>,
+    rule: Rule,
     kernels: [Option<CudaFunction>; 8],
     tables: [Option<CudaSlice<u16>>; 3],
     bp: Option<CudaSlice<u8>>,
     costs: Option<CudaSlice<f32>>,
     targets: Option<CudaSlice<f32>>,
     states: Option<CudaSlice<u16>>,
-    cost: Option<CudaSlice<f32>>,
 }
 
 fn cb_index(cb: Codebook) -> usize {
@@ -88,15 +125,20 @@ fn grow<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
 
 impl ViterbiGpu {
     pub fn new(gpu: Arc<Gpu>) -> ViterbiGpu {
+        Self::with_rule(gpu, CPU_RULE)
+    }
+
+    /// With another rule than the CPU's (tests of the other variant).
+    pub fn with_rule(gpu: Arc<Gpu>, rule: Rule) -> ViterbiGpu {
         ViterbiGpu {
             gpu,
+            rule,
             kernels: Default::default(),
             tables: Default::default(),
             bp: None,
             costs: None,
             targets: None,
             states: None,
-            cost: None,
         }
     }
 
@@ -107,9 +149,11 @@ impl ViterbiGpu {
     fn kernel(&mut self, k: u32) -> Result<CudaFunction> {
         let slot = &mut self.kernels[k as usize - 1];
         if slot.is_none() {
-            let f = self
-                .gpu
-                .function(&VITERBI, &[format!("VIT_K={k}")], "viterbi_tiles")?;
+            let defines = [
+                format!("VIT_K={k}"),
+                format!("VIT_TAGGED={}", self.rule.tagged as u32),
+            ];
+            let f = self.gpu.function(&VITERBI, &defines, "viterbi_tiles")?;
             f.set_attribute(
                 FnAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 shared_bytes(k) as i32,
@@ -130,7 +174,10 @@ impl ViterbiGpu {
         Ok(self.gpu.ptr(slot.as_ref().unwrap()))
     }
 
-    /// [`encode::viterbi_with`] for every target tile (position order): the states and the cost.
+    /// [`encode::viterbi_with`] for every target tile (position order): the states and the cost,
+    /// the decoded tile's squared error summed in position order on the host (the untagged
+    /// rule's search cost is that sum with NaN read as infinity: a step whose candidates are all
+    /// NaN keeps infinity).
     pub fn viterbi(
         &mut self,
         targets: &[[f32; 256]],
@@ -138,6 +185,8 @@ impl ViterbiGpu {
         cb: Codebook,
     ) -> Result<Vec<([u16; 256], f32)>> {
         ensure!((1..=8).contains(&k), "K must be 1..=8, got {k}");
+        let table = codebook::table(cb);
+        let tagged = self.rule.tagged;
         let mut out = Vec::with_capacity(targets.len());
         for chunk in targets.chunks(MAX_TILES_PER_LAUNCH) {
             self.launch(chunk, k, cb)?;
@@ -146,21 +195,26 @@ impl ViterbiGpu {
                 .gpu
                 .stream
                 .clone_dtoh(&self.states.as_ref().unwrap().slice(..n * 256))?;
-            let cost = self
-                .gpu
-                .stream
-                .clone_dtoh(&self.cost.as_ref().unwrap().slice(..n))?;
-            for (i, &c) in cost.iter().enumerate() {
+            for (i, t) in chunk.iter().enumerate() {
                 let mut st = [0u16; 256];
                 st.copy_from_slice(&states[i * 256..(i + 1) * 256]);
-                out.push((st, c));
+                let cost = st.iter().zip(t).fold(0.0f32, |acc, (&s, &t)| {
+                    let d = table[s as usize] - t;
+                    let sum = acc + d * d;
+                    if sum.is_nan() && !tagged {
+                        f32::INFINITY
+                    } else {
+                        sum
+                    }
+                });
+                out.push((st, cost));
             }
         }
         Ok(out)
     }
 
     /// Queues one launch over `targets` (at most [`MAX_TILES_PER_LAUNCH`]); results in
-    /// `self.states` / `self.cost`.
+    /// `self.states`.
     fn launch(&mut self, targets: &[[f32; 256]], k: u32, cb: Codebook) -> Result<()> {
         let n = targets.len();
         if n == 0 {
@@ -190,7 +244,7 @@ impl ViterbiGpu {
         }
         let tg = gpu.ptr(self.targets.as_ref().unwrap());
         let states = grow(&gpu, &mut self.states, n * 256)?;
-        let cost = grow(&gpu, &mut self.cost, n)?;
+        let r = self.rule;
         gpu.launch_shared(
             &f,
             (grid as u32, 1, 1),
@@ -203,10 +257,9 @@ impl ViterbiGpu {
                 Arg::Ptr(bp),
                 Arg::Ptr(costs),
                 Arg::Ptr(states),
-                Arg::Ptr(cost),
-                Arg::I32(PASS1_STEPS),
-                Arg::I32(PASS1_ROLL),
-                Arg::I32(PASS1_KEEP),
+                Arg::I32(r.steps),
+                Arg::I32(r.first),
+                Arg::I32(r.keep),
             ],
         )
     }
@@ -288,6 +341,16 @@ impl TileEncoder for GpuEncoder {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_k_and_rule_has_a_variant() {
+        for tagged in [0, 1] {
+            for k in 1..=8 {
+                let v = format!("VIT_K={k},VIT_TAGGED={tagged}");
+                assert!(VARIANTS.contains(&v.as_str()), "{v}");
+            }
+        }
+    }
 
     #[test]
     fn shared_memory_fits_hopper() {

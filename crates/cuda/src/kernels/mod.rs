@@ -115,9 +115,7 @@ pub const VITERBI: KernelSource = KernelSource {
     source: include_str!("viterbi.cu"),
     functions: &["viterbi_tiles"],
     hot: true,
-    variants: &[
-        "VIT_K=1", "VIT_K=2", "VIT_K=3", "VIT_K=4", "VIT_K=5", "VIT_K=6", "VIT_K=7", "VIT_K=8",
-    ],
+    variants: crate::viterbi::VARIANTS,
 };
 
 /// Every kernel source.

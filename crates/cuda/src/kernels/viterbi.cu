@@ -3,9 +3,11 @@
 // is data (its 65536 fp16 values, uploaded once).
 //
 // A tile's search keeps one f32 cost per edge (the low 16 - K bits of a state, 2^(16-K) of them);
-// each step takes, for every edge o, the first best of the 2^K states (c << (16-K)) | o, costing
-// prev[state >> K] + (value(state) - w)^2 with separate rounded operations (no FMA), exactly the
-// CPU's step. A block of 1024 threads runs 1 tile (K <= 6) or 2^(K-6) tiles (one edge a thread)
+// each step takes, for every edge o, the best of the 2^K states (c << (16-K)) | o, by the CPU's
+// rule: VIT_TAGGED=0, cost prev[state >> K] + (value(state) - w)^2 with separate rounded
+// operations (no FMA), the first minimum wins; VIT_TAGGED=1, cost fma(d, d, prev[state >> K]),
+// d = value(state) - w, its low K bits replaced by c, the unsigned minimum of the bit patterns
+// (the stored cost has those bits cleared). A block of 1024 threads runs 1 tile (K <= 6) or 2^(K-6) tiles (one edge a thread)
 // in lock step, a __syncthreads a step.
 //
 // Shared memory: the codebook as fp16 (exact: every value is an fp16) in the order the threads
@@ -27,6 +29,36 @@
 #define COSTS_SMEM (VIT_K >= 3)
 #define TABLE_BYTES (65536 * 2)
 #define POS_INF __int_as_float(0x7f800000)
+#ifndef VIT_TAGGED
+#define VIT_TAGGED 0
+#endif
+#define TAG ((u32)(CANDS - 1))
+
+// One candidate c of an edge: (v, p) its value and previous cost, w the target.
+#if VIT_TAGGED
+typedef u32 vit_best;
+#define VIT_BEST_INIT 0xffffffffu
+__device__ __forceinline__ void vit_cand(vit_best& best, u32& bk, float v, float p, float w, u32 c) {
+    const float d = __fsub_rn(v, w);
+    best = min(best, (__float_as_uint(__fmaf_rn(d, d, p)) & ~TAG) | c);
+}
+__device__ __forceinline__ float vit_done(vit_best best, u32& bk) {
+    bk = best & TAG;
+    return __uint_as_float(best & ~TAG);
+}
+#else
+typedef float vit_best;
+#define VIT_BEST_INIT POS_INF
+__device__ __forceinline__ void vit_cand(vit_best& best, u32& bk, float v, float p, float w, u32 c) {
+    const float d = __fsub_rn(v, w);
+    const float cost = __fadd_rn(p, __fmul_rn(d, d));
+    if (cost < best) {
+        best = cost;
+        bk = c;
+    }
+}
+__device__ __forceinline__ float vit_done(vit_best best, u32& bk) { return best; }
+#endif
 
 // The swizzle of an edge's 16-byte chunks (XOR on the chunk index, within the edge's row).
 __device__ __forceinline__ u32 vit_swizzle(u32 o) {
@@ -74,7 +106,7 @@ __device__ __forceinline__ void vit_step(const unsigned short* __restrict__ tbl,
         const u32 o = t + (u32)e * TTHREADS;
         const u32 q = o >> VIT_K;
         const float* pq = prev + q;
-        float best = POS_INF;
+        vit_best best = VIT_BEST_INIT;
         u32 bk = 0;
 #if VIT_K >= 3
         const uint4* row = reinterpret_cast<const uint4*>(tbl) + (o << (VIT_K - 3));
@@ -87,13 +119,7 @@ __device__ __forceinline__ void vit_step(const unsigned short* __restrict__ tbl,
             for (int h = 0; h < 8; h++) {
                 const int c = j * 8 + h;
                 const float v = vit_h2f((unsigned short)(words[h >> 1] >> (16 * (h & 1))));
-                const float p = pq[c << (KR - VIT_K)];
-                const float d = __fsub_rn(v, w);
-                const float cost = __fadd_rn(p, __fmul_rn(d, d));
-                if (cost < best) {
-                    best = cost;
-                    bk = c;
-                }
+                vit_cand(best, bk, v, pq[c << (KR - VIT_K)], w, c);
             }
         }
 #else
@@ -108,16 +134,10 @@ __device__ __forceinline__ void vit_step(const unsigned short* __restrict__ tbl,
 #pragma unroll
         for (int c = 0; c < CANDS; c++) {
             const float v = vit_h2f((unsigned short)(words[c >> 1] >> (16 * (c & 1))));
-            const float p = pq[c << (KR - VIT_K)];
-            const float d = __fsub_rn(v, w);
-            const float cost = __fadd_rn(p, __fmul_rn(d, d));
-            if (cost < best) {
-                best = cost;
-                bk = c;
-            }
+            vit_cand(best, bk, v, pq[c << (KR - VIT_K)], w, c);
         }
 #endif
-        next[o] = best;
+        next[o] = vit_done(best, bk);
         if (bp) bp[o] = (unsigned char)bk;
     }
 }
@@ -146,17 +166,16 @@ __device__ float* vit_forward(float* ping, float* pong, const unsigned short* tb
     return prev;
 }
 
-// Encodes `ntiles` tiles (targets in position order, 256 each): states (256 u16 each) and the
-// cost per tile. Each block loops over groups of TPB tiles; `bp` holds 256 x EDGES bytes per tile
+// Encodes `ntiles` tiles (targets in position order, 256 each): their states (256 u16 each; the
+// launcher sums the cost from them, as the CPU does). Each block loops over groups of TPB tiles; `bp` holds 256 x EDGES bytes per tile
 // in flight (gridDim.x x TPB of them), `gcost` (K = 1, 2) 2 x EDGES floats per tile in flight.
-// Pass 1: p1_steps steps at roll p1_roll from a free start, traced back from its best end over
+// Pass 1: p1_steps steps over positions (p1_roll + i) & 255 from a free start, traced back from its best end over
 // steps p1_steps - 1 down to p1_keep to the wrap edge; pass 2: 256 steps from the wrap edge
 // (forced) back to it.
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 viterbi_tiles(const unsigned short* __restrict__ gtab, const float* __restrict__ targets,
               int ntiles, unsigned char* __restrict__ bp_all, float* gcost,
-              unsigned short* __restrict__ states_out, float* __restrict__ cost_out, int p1_steps,
-              int p1_roll, int p1_keep) {
+              unsigned short* __restrict__ states_out, int p1_steps, int p1_roll, int p1_keep) {
     extern __shared__ __align__(16) unsigned char smem[];
     unsigned short* tbl = reinterpret_cast<unsigned short*>(smem);
     unsigned char* after = smem + TABLE_BYTES;
@@ -245,9 +264,8 @@ viterbi_tiles(const unsigned short* __restrict__ gtab, const float* __restrict__
         const int wrap = edge_s[tib];
 
         // Pass 2.
-        fin = vit_forward(ping, pong, tbl, tg, bp, 256, 0, 0, wrap, t);
+        vit_forward(ping, pong, tbl, tg, bp, 256, 0, 0, wrap, t);
         if (t == 0 && valid) {
-            cost_out[tile] = fin[wrap];
             unsigned short* st = states_out + (size_t)tile * 256;
             u32 edge = wrap;
             for (int i = 255; i >= 0; i--) {
