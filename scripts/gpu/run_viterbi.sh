@@ -20,6 +20,12 @@ t() { # name, timeout, test binary args...
 }
 t identity 240 $DEV/tests/gpu_viterbi --include-ignored --exact states_and_costs_match_the_cpu --nocapture
 t batches 120 $DEV/tests/gpu_viterbi --include-ignored --exact batches_of_any_size_match_one_at_a_time --nocapture
+# Optional: a test binary built against another CPU encoder (e.g. main's tagged-fma rule), with
+# viterbi::CPU_RULE set to match it.
+if [ -x $DEV/tests/gpu_viterbi_alt ]; then
+    t identity_alt 240 $DEV/tests/gpu_viterbi_alt --include-ignored --exact states_and_costs_match_the_cpu --nocapture
+    TRELLM_RESULTS="$OUT/viterbi_throughput_alt.jsonl" t throughput_alt 200 $DEV/tests/gpu_viterbi_alt --include-ignored --exact throughput --nocapture
+fi
 TRELLM_RESULTS="$OUT/viterbi_throughput.jsonl" t throughput 200 $DEV/tests/gpu_viterbi --include-ignored --exact throughput --nocapture
 echo "== quantize tiny llama on cuda vs cpu  (t=${SECONDS}s)"
 for args in "-b 3" "-b 2 --codebook mcg" "-b 5 --codebook 3inst"; do
@@ -38,4 +44,6 @@ for args in "-b 3" "-b 2 --codebook mcg" "-b 5 --codebook 3inst"; do
         echo "$args: DIFFERENT"
     fi
 done 2>&1 | tee "$OUT/quantize.txt"
+tail -n +1 "$OUT"/test-*.txt >"$OUT/tests.txt"
+rm -f "$OUT"/test-*.txt "$OUT"/quantize-*.txt
 echo "== done (t=${SECONDS}s)"
