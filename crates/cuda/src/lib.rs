@@ -12,6 +12,7 @@
 //!   our own bandwidth-bound GEMV for decode, the whole decode step captured as one CUDA graph.
 //! - [`exl3`]: EXL3 trellis layers uploaded compressed, decoded in registers by the GEMV.
 //! - [`bench`]: synthetic seeded weights generated on the device and the decode/prefill benchmark.
+//! - [`viterbi`]: the EXL3 tile encoder (the tail-biting Viterbi), bit-identical to the CPU's.
 //! - [`nccl`]: all-reduces between the GPUs of one host (tensor parallelism), NCCL loaded at run
 //!   time as well.
 
@@ -21,6 +22,7 @@ pub mod exl3;
 pub mod kernels;
 pub mod nccl;
 pub mod nvrtc;
+pub mod viterbi;
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -246,6 +248,30 @@ impl Gpu {
         self.launch_cluster(f, grid, block, None, args)
     }
 
+    /// Launches `f` with `shared` bytes of dynamic shared memory (more than 48 KiB needs the
+    /// function's `MAX_DYNAMIC_SHARED_SIZE_BYTES` attribute set first).
+    pub fn launch_shared(
+        &self,
+        f: &CudaFunction,
+        grid: (u32, u32, u32),
+        block: u32,
+        shared: u32,
+        args: &[Arg],
+    ) -> Result<()> {
+        if self.profile.lock().unwrap().is_some() {
+            let name = self
+                .names
+                .lock()
+                .unwrap()
+                .get(&(f.cu_function() as usize))
+                .cloned();
+            return self.timed(name.as_deref().unwrap_or("?"), || {
+                self.launch_now(f, grid, block, None, shared, args)
+            });
+        }
+        self.launch_now(f, grid, block, None, shared, args)
+    }
+
     /// Launches `f` with its blocks grouped in thread-block clusters of `cluster` (sm_90+).
     pub fn launch_cluster(
         &self,
@@ -263,10 +289,10 @@ impl Gpu {
                 .get(&(f.cu_function() as usize))
                 .cloned();
             return self.timed(name.as_deref().unwrap_or("?"), || {
-                self.launch_now(f, grid, block, cluster, args)
+                self.launch_now(f, grid, block, cluster, 0, args)
             });
         }
-        self.launch_now(f, grid, block, cluster, args)
+        self.launch_now(f, grid, block, cluster, 0, args)
     }
 
     fn launch_now(
@@ -275,6 +301,7 @@ impl Gpu {
         grid: (u32, u32, u32),
         block: u32,
         cluster: Option<(u32, u32, u32)>,
+        shared: u32,
         args: &[Arg],
     ) -> Result<()> {
         let mut store: Vec<u64> = args
@@ -312,7 +339,7 @@ impl Gpu {
                 blockDimX: block,
                 blockDimY: 1,
                 blockDimZ: 1,
-                sharedMemBytes: 0,
+                sharedMemBytes: shared,
                 hStream: self.stream.cu_stream(),
                 attrs: attrs.as_mut_ptr(),
                 numAttrs: attrs.len() as u32,
@@ -336,7 +363,7 @@ impl Gpu {
                 f.cu_function(),
                 grid,
                 (block, 1, 1),
-                0,
+                shared,
                 self.stream.cu_stream(),
                 &mut params,
             )

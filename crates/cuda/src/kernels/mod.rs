@@ -1,7 +1,7 @@
 //! CUDA C++ kernel sources, embedded in the binary. Each is compiled with [`PRELUDE`] in front
 //! (bf16 helpers, reductions, activations); see [`crate::nvrtc`].
 //!
-//! The Rust launchers for these kernels live in [`crate::dense`], [`crate::exl3`] and [`crate::bench`], next to the
+//! The Rust launchers for these kernels live in [`crate::dense`], [`crate::exl3`], [`crate::viterbi`] and [`crate::bench`], next to the
 //! code that owns the buffers they run on.
 
 /// Definitions shared by every kernel source.
@@ -109,5 +109,14 @@ pub const EXL3: KernelSource = KernelSource {
     variants: crate::exl3::VARIANTS,
 };
 
+/// The EXL3 tile encoder (launcher: [`crate::viterbi`]); one module per K.
+pub const VITERBI: KernelSource = KernelSource {
+    name: "viterbi",
+    source: include_str!("viterbi.cu"),
+    functions: &["viterbi_tiles"],
+    hot: true,
+    variants: crate::viterbi::VARIANTS,
+};
+
 /// Every kernel source.
-pub const ALL: &[&KernelSource] = &[&ELEMENTWISE, &ROPE, &ATTENTION, &GEMV, &EXL3];
+pub const ALL: &[&KernelSource] = &[&ELEMENTWISE, &ROPE, &ATTENTION, &GEMV, &EXL3, &VITERBI];

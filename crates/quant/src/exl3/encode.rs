@@ -23,6 +23,22 @@ use super::codebook::{self, Codebook};
 use super::simd::Level;
 use super::trellis::POSITION_INDEX;
 
+/// Pass 1 of [`viterbi_with`]: `steps` steps over the positions `(first + i) & 255` from a free
+/// start, its steps from `traced` on traced back to the edge between positions 255 and 0.
+#[derive(Debug, Clone, Copy)]
+pub struct Pass1 {
+    pub first: usize,
+    pub steps: usize,
+    pub traced: usize,
+}
+
+/// The tile rolled by 128; its steps over positions 0..127 traced back.
+pub const PASS1: Pass1 = Pass1 {
+    first: 128,
+    steps: 256,
+    traced: 128,
+};
+
 /// One encoded tile.
 #[derive(Clone, Debug)]
 pub struct EncodedTile {
@@ -420,11 +436,10 @@ pub fn viterbi_with(
     let table = codebook::table(cb);
     let edges = 1usize << (16 - s.k);
     let mut states = [0u16; 256];
-    // Pass 1, rolled by 128: only its steps over positions 0..127 (i >= 128) are traced back,
-    // to the edge between positions 255 and 0.
-    forward(level, s, cb, targets, 128, 256, None, 128);
+    let p = PASS1;
+    forward(level, s, cb, targets, p.first, p.steps, None, p.traced);
     let end = argmin(&s.cost[..edges]);
-    let wrap = backtrack(s, 128, 256, end, 128, &mut states);
+    let wrap = backtrack(s, p.first, p.steps, end, p.traced, &mut states);
     // Pass 2: the whole tile from that edge back to it.
     forward(level, s, cb, targets, 0, 256, Some(wrap), 0);
     backtrack(s, 0, 256, wrap, 0, &mut states);

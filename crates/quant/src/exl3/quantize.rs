@@ -11,7 +11,7 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::codebook::Codebook;
-use super::encode::{self, Scratch};
+use super::encode;
 use super::hadamard128;
 use super::{Bitrate, Exl3Shape};
 
@@ -148,11 +148,34 @@ fn scale_sample(w: &[f32], k: usize, n: usize) -> Vec<[f32; 256]> {
         .collect()
 }
 
+/// Encodes batches of tiles for [`quantize_layer_with`]: the CPU's [`CpuEncoder`] or another
+/// device's. An implementation must give exactly what the CPU's functions give.
+pub trait TileEncoder: Sync {
+    /// [`encode::encode_tiles`].
+    fn encode_tiles(&self, tiles: &[[f32; 256]], k: u32, cb: Codebook) -> Vec<encode::EncodedTile>;
+    /// [`encode::open_costs`].
+    fn open_costs(&self, tiles: &[[f32; 256]], k: u32, cb: Codebook) -> Vec<f32>;
+}
+
+/// The CPU's encoder, on the caller's rayon pool.
+pub struct CpuEncoder;
+
+impl TileEncoder for CpuEncoder {
+    fn encode_tiles(&self, tiles: &[[f32; 256]], k: u32, cb: Codebook) -> Vec<encode::EncodedTile> {
+        encode::encode_tiles(tiles, k, cb)
+    }
+
+    fn open_costs(&self, tiles: &[[f32; 256]], k: u32, cb: Codebook) -> Vec<f32> {
+        encode::open_costs(tiles, k, cb)
+    }
+}
+
 /// Mean squared error, in the unscaled frame, of encoding `tiles * s` (open streams: the
 /// wrap-around constraint shifts every scale's cost alike).
-fn scaled_mse(tiles: &[[f32; 256]], s: f32, bits: u32, cb: Codebook) -> f64 {
+fn scaled_mse(tiles: &[[f32; 256]], s: f32, bits: u32, cb: Codebook, enc: &dyn TileEncoder) -> f64 {
     let scaled: Vec<[f32; 256]> = tiles.iter().map(|t| t.map(|v| v * s)).collect();
-    let cost: f64 = encode::open_costs(&scaled, bits, cb)
+    let cost: f64 = enc
+        .open_costs(&scaled, bits, cb)
         .iter()
         .map(|&c| c as f64)
         .sum();
@@ -162,19 +185,19 @@ fn scaled_mse(tiles: &[[f32; 256]], s: f32, bits: u32, cb: Codebook) -> f64 {
 /// The global scale: a coarse grid on every fourth sampled tile, then the best point and its two
 /// neighbours on all of them and a parabola through the three (the curve is flat near its
 /// minimum but not smooth enough for a bisection).
-fn search_scale(tiles: &[[f32; 256]], bits: u32, cb: Codebook) -> f32 {
+fn search_scale(tiles: &[[f32; 256]], bits: u32, cb: Codebook, enc: &dyn TileEncoder) -> f32 {
     let sub: Vec<[f32; 256]> = tiles.iter().step_by(4).copied().collect();
     let coarse: Vec<f32> = (0..6).map(|i| 0.5 + 0.12 * i as f32).collect();
     let c = coarse
         .iter()
-        .map(|&s| (s, scaled_mse(&sub, s, bits, cb)))
+        .map(|&s| (s, scaled_mse(&sub, s, bits, cb, enc)))
         .min_by(|a, b| a.1.total_cmp(&b.1))
         .unwrap()
         .0;
     const STEP: f32 = 0.06;
     let y: Vec<f64> = [-1.0f32, 0.0, 1.0]
         .iter()
-        .map(|d| scaled_mse(tiles, c + d * STEP, bits, cb))
+        .map(|d| scaled_mse(tiles, c + d * STEP, bits, cb, enc))
         .collect();
     let denom = y[0] - 2.0 * y[1] + y[2];
     let offset = if denom > 0.0 {
@@ -407,6 +430,18 @@ pub fn quantize_layer(
     h: Option<&[f64]>,
     opts: &LayerOptions,
 ) -> Result<QuantizedLayer, QuantizeError> {
+    quantize_layer_with(w, k, n, h, opts, &CpuEncoder)
+}
+
+/// [`quantize_layer`] with the tiles (the scale search's and LDLQ's) encoded by `enc`.
+pub fn quantize_layer_with(
+    w: &[f32],
+    k: usize,
+    n: usize,
+    h: Option<&[f64]>,
+    opts: &LayerOptions,
+    enc: &dyn TileEncoder,
+) -> Result<QuantizedLayer, QuantizeError> {
     if k == 0 || n == 0 || !k.is_multiple_of(128) || !n.is_multiple_of(128) {
         return Err(QuantizeError::NotBlocked(k, n));
     }
@@ -482,7 +517,7 @@ pub fn quantize_layer(
     hadamard_cols(&mut wr, k, n);
 
     let g = if opts.scale_search {
-        search_scale(&scale_sample(&wr, k, n), bits, cb)
+        search_scale(&scale_sample(&wr, k, n), bits, cb, enc)
     } else {
         1.0
     };
@@ -531,14 +566,7 @@ pub fn quantize_layer(
             .map(|i| wr[i] + comp[i])
             .collect();
         let tiles: Vec<[f32; 256]> = (0..tiles_n).map(|tn| tile_of(&target, n, 0, tn)).collect();
-        let enc: Vec<encode::EncodedTile> = tiles
-            .par_iter()
-            .map_init(
-                || Scratch::new(bits),
-                |s, t| encode::encode_tile(t, bits, cb, s),
-            )
-            .collect();
-        for (tn, e) in enc.iter().enumerate() {
+        for (tn, e) in enc.encode_tiles(&tiles, bits, cb).iter().enumerate() {
             let dst = (tk * tiles_n + tn) * tb;
             trellis[dst..dst + tb].copy_from_slice(&e.bytes);
             for i in 0..256 {

@@ -8,6 +8,7 @@ use clap::Args;
 use trellm_quant::exl3::Codebook;
 
 use super::{flags, ModelArgs};
+use crate::backend::Device;
 use crate::quantize::{calibration, quantize, Calibration, Options};
 
 #[derive(Args, Debug)]
@@ -45,6 +46,10 @@ pub struct QuantizeArgs {
     /// Stop after this many layers with the checkpoint saved, as an interruption would (tests).
     #[arg(long, hide = true)]
     pub stop_after_layers: Option<usize>,
+    /// Where the trellis search (the tile encoder) runs: cpu, or cuda (the first NVIDIA GPU);
+    /// the same bytes either way.
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    pub device: Device,
     /// No progress bar or per-layer lines.
     #[arg(long, short = 'q')]
     pub quiet: bool,
@@ -86,6 +91,7 @@ fn options(a: &QuantizeArgs) -> Result<Options> {
         shard_bytes: (a.shard_size * (1u64 << 20) as f64) as u64,
         stop_after: a.stop_after_layers,
         quiet: a.quiet,
+        device: a.device,
     })
 }
 

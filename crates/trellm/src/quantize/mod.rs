@@ -24,11 +24,12 @@ use half::f16;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::{json, Value};
 use trellm_quant::exl3::codebook::{MCG_MUL, MUL1_MUL};
-use trellm_quant::exl3::quantize::{quantize_layer, LayerOptions};
+use trellm_quant::exl3::quantize::{quantize_layer_with, CpuEncoder, LayerOptions, TileEncoder};
 use trellm_quant::exl3::Codebook;
 
 use crate::backend::cpu::model::{Tail, Tap};
 use crate::backend::cpu::{self, CpuModel};
+use crate::backend::Device;
 use crate::model::load::LoadedModel;
 use crate::model::plan::Op;
 use crate::model::weights::{hf_name, Exl3Matrix, LayerWeights, Linear, LinearWeight, Role};
@@ -49,6 +50,53 @@ pub struct Options {
     /// Stop after this many layers with the checkpoint saved (as an interruption would).
     pub stop_after: Option<usize>,
     pub quiet: bool,
+    /// Where the tiles are encoded (the same bytes on every device).
+    pub device: Device,
+}
+
+/// The tile encoder of a run (`--device`).
+struct Encoder {
+    #[cfg(feature = "cuda")]
+    gpu: Option<trellm_cuda::viterbi::GpuEncoder>,
+}
+
+impl Encoder {
+    fn new(device: Device) -> Result<Encoder> {
+        match device {
+            Device::Cpu => Ok(Encoder {
+                #[cfg(feature = "cuda")]
+                gpu: None,
+            }),
+            #[cfg(feature = "cuda")]
+            Device::Cuda => {
+                let gpu = trellm_cuda::Gpu::new(0).context("--device cuda")?;
+                Ok(Encoder {
+                    gpu: Some(trellm_cuda::viterbi::GpuEncoder::new(std::sync::Arc::new(
+                        gpu,
+                    ))),
+                })
+            }
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda => bail!("this trellm was built without CUDA support (feature `cuda`)"),
+        }
+    }
+
+    fn get(&self) -> &dyn TileEncoder {
+        #[cfg(feature = "cuda")]
+        if let Some(g) = &self.gpu {
+            return g;
+        }
+        &CpuEncoder
+    }
+
+    /// Fails once the GPU encoder has failed (its calls went to the CPU since: same bytes).
+    fn check(&self) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Some(e) = self.gpu.as_ref().and_then(|g| g.error()) {
+            bail!("the CUDA tile encoder failed: {e}");
+        }
+        Ok(())
+    }
 }
 
 /// Token rows to calibrate with (none: H = identity, no calibration) and what they are.
@@ -147,6 +195,7 @@ fn quantize_linear(
     h: Option<&Hessian>,
     bits: u32,
     cb: Codebook,
+    enc: &Encoder,
     warnings: &mut Vec<String>,
 ) -> Result<Quantized> {
     let LinearWeight::Ggml(m) = &src.w else {
@@ -168,8 +217,9 @@ fn quantize_linear(
     let mut opts = LayerOptions::new(bits, cb);
     opts.seed = seed_of(base);
     let q = cpu::pool()
-        .install(|| quantize_layer(&wt, k, n, hp.as_deref(), &opts))
+        .install(|| quantize_layer_with(&wt, k, n, hp.as_deref(), &opts, enc.get()))
         .with_context(|| base.to_string())?;
+    enc.check()?;
     warnings.extend(q.warnings.iter().map(|w| format!("{base}: {w}")));
     let f16_bytes = |v: &[f16]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
     let mut tensors = vec![
@@ -402,6 +452,7 @@ fn quantize_hf(
     let (hidden, n_layers) = (cfg.hidden, cfg.n_layers());
     let src_st = trellm_formats::safetensors::SafeTensors::open(&m.path)
         .with_context(|| m.path.display().to_string())?;
+    let enc = Encoder::new(opts.device)?;
     std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
     let ck = Checkpoint::new(out);
     let job = job(origin, opts, cal);
@@ -527,7 +578,8 @@ fn quantize_hf(
                 pb.set_message(base.clone());
                 let mut w = Vec::new();
                 let bits = layer_bits[&role];
-                let q = quantize_linear(&base, lin, hs.get(&tap), bits, opts.codebook, &mut w)?;
+                let q =
+                    quantize_linear(&base, lin, hs.get(&tap), bits, opts.codebook, &enc, &mut w)?;
                 for w in w {
                     warn(w, &mut warnings);
                 }
@@ -593,7 +645,7 @@ fn quantize_hf(
             b: None,
         };
         let mut w = Vec::new();
-        let q = quantize_linear("lm_head", &lin, Some(&h), bits, opts.codebook, &mut w)?;
+        let q = quantize_linear("lm_head", &lin, Some(&h), bits, opts.codebook, &enc, &mut w)?;
         for w in w {
             warn(w, &mut warnings);
         }
