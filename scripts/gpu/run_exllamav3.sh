@@ -3,7 +3,8 @@
 # logits are compared with trellm's, (B) its CUDA tile quantizer's tiles/s and MSE per K (MUL1) on seeded
 # Gaussian tiles. Prep here: bash scripts/gpu/prep_exllamav3_peer.sh (writes .device/peer, git-ignored).
 # run (device, .device/peer carried): bash scripts/gpu/run_exllamav3.sh   (results in $OUT/exl3peer.*)
-# Compiling its CUDA extension takes ~4 minutes at the first import (a bare machine each call).
+# Compiling its CUDA extension takes ~5 minutes at the first import (300 s on 2026-12-02; a bare machine each
+# call); the parts after it ~10 s. Writes 3 files to $OUT (EXL3PEER_TENSORS=0: 2, no 12 MB tensors file).
 set -u
 PEER=${PEER:-.device/peer}
 OUT=${OUT:-/tmp/exl3peer-out}
