@@ -12,6 +12,14 @@ export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH
 export TRELLM_CUDA_CACHE=/tmp/trellm-cuda-cache
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
 cat "$OUT/gpu.txt"
+# A gzipped binary (to stay under the carry limit beside exllamav3's peer folder) is unpacked.
+if [ -f "$DEV/trellm.gz" ] && [ ! -x "$DEV/trellm" ]; then gunzip -c "$DEV/trellm.gz" >"$DEV/trellm" && chmod +x "$DEV/trellm"; fi
+# The throughput test's tiles: the ones scripts/gpu/exllamav3_peer.py times exllamav3's quantizer on
+# (numpy default_rng(15), 8448 x 256 f32), so both encoders are timed on the same tiles in one run.
+if [ -z "${TRELLM_TILES:-}" ] && python3 -c "import numpy" 2>/dev/null; then
+    python3 -c "import numpy as np; np.save('/tmp/tiles.npy', np.random.default_rng(15).standard_normal((8448, 256), dtype=np.float32))"
+    export TRELLM_TILES=/tmp/tiles.npy
+fi
 t() { # name, timeout, test binary args...
     local name=$1 limit=$2; shift 2
     echo "== $name  (t=${SECONDS}s)"

@@ -142,6 +142,27 @@ fn batches_of_any_size_match_one_at_a_time() {
     }
 }
 
+/// The first `n` tiles of `TRELLM_TILES` (a `.npy` of f32 N x 256, the tiles exllamav3's
+/// quantizer is timed on in the same run: `scripts/gpu/prep_exllamav3_peer.sh`), else seeded
+/// Gaussian ones.
+fn bench_tiles(n: usize, seed: u64) -> Vec<[f32; 256]> {
+    let Some(path) = std::env::var_os("TRELLM_TILES") else {
+        return gaussian(n, seed);
+    };
+    let bytes = std::fs::read(&path).expect("TRELLM_TILES");
+    assert_eq!(&bytes[..6], b"\x93NUMPY", "TRELLM_TILES is not a .npy file");
+    let header = u16::from_le_bytes([bytes[8], bytes[9]]) as usize;
+    let tiles: Vec<[f32; 256]> = bytes[10 + header..]
+        .chunks_exact(1024)
+        .take(n)
+        .map(|t| {
+            std::array::from_fn(|i| f32::from_le_bytes(t[4 * i..4 * i + 4].try_into().unwrap()))
+        })
+        .collect();
+    assert_eq!(tiles.len(), n, "TRELLM_TILES holds fewer than {n} tiles");
+    tiles
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on the GPU machine"]
 fn throughput() {
@@ -151,19 +172,25 @@ fn throughput() {
     let name = enc.gpu().name.clone();
     let cb = Codebook::Mul1;
     for k in 1..=8u32 {
-        // Sixteen waves of blocks; the call's time (upload, kernel, download, packing none).
+        // Sixteen waves of blocks; the call's time (upload, kernel, download, the cost summed on
+        // the host), best of three, as exllamav3's quantizer is timed in the same run.
         let per_block = if k >= 6 { 1 << (k - 6) } else { 1 };
         let n = sms * per_block * 16;
-        let tl = gaussian(n, 5 + k as u64);
+        let tl = bench_tiles(n, 5 + k as u64);
         enc.viterbi(&tl[..1], k, cb).unwrap(); // compile + warm
-        let t0 = Instant::now();
-        let r = enc.viterbi(&tl, k, cb).unwrap();
-        let s = t0.elapsed().as_secs_f64();
-        assert_eq!(r.len(), n);
+        let mut best = f64::INFINITY;
+        let mut mse = 0.0;
+        for _ in 0..3 {
+            let t0 = Instant::now();
+            let r = enc.viterbi(&tl, k, cb).unwrap();
+            best = best.min(t0.elapsed().as_secs_f64());
+            assert_eq!(r.len(), n);
+            mse = r.iter().map(|(_, c)| *c as f64).sum::<f64>() / (256 * n) as f64;
+        }
         out(format!(
-            "{{\"test\":\"viterbi_throughput\",\"gpu\":\"{name}\",\"codebook\":\"{}\",\"k\":{k},\"tiles\":{n},\"seconds\":{s:.4},\"tiles_per_s\":{:.1}}}",
+            "{{\"test\":\"viterbi_throughput\",\"gpu\":\"{name}\",\"codebook\":\"{}\",\"k\":{k},\"tiles\":{n},\"seconds\":{best:.4},\"tiles_per_s\":{:.1},\"mse\":{mse:.6e}}}",
             cb.name(),
-            n as f64 / s
+            n as f64 / best
         ));
     }
 }

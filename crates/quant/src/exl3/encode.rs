@@ -8,12 +8,15 @@
 //! errors per position, whatever K.
 //!
 //! The stream is circular (the first state's high bits are the last positions' symbols). Two
-//! passes make the result a valid circular stream: the first runs unconstrained on the tile
-//! rolled by 128 positions, and the edge its best path crosses between positions 255 and 0
-//! becomes the forced start and end of the second,
+//! passes make the result a valid circular stream: the first runs unconstrained over a window
+//! around the wrap ([`PASS1`]: the last 64 positions, then the first 64), and the edge its best
+//! path crosses between positions 255 and 0 becomes the forced start and end of the second,
 //! which is the exact optimum among streams with that edge (up to the tie rule of the tagged
-//! costs, [`tag_mask`]). The reported cost is the decoded tile's squared error summed in
-//! position order.
+//! costs, [`tag_mask`]). Survivor paths merge within a few multiples of the trellis's memory
+//! (16 / K positions), so the window finds the edge a whole unconstrained pass finds but for
+//! near-ties: on Gaussian tiles the mean squared error is 0.5% / 0.3% / 0.1% / 0.0% above a
+//! whole rolled pass's at K = 2 / 3 / 4 / 6, for 3/4 of the steps. The reported cost is the
+//! decoded tile's squared error summed in position order.
 
 use std::sync::OnceLock;
 
@@ -32,11 +35,11 @@ pub struct Pass1 {
     pub traced: usize,
 }
 
-/// The tile rolled by 128; its steps over positions 0..127 traced back.
+/// The last 64 positions, then the first 64, traced back over the latter.
 pub const PASS1: Pass1 = Pass1 {
-    first: 128,
-    steps: 256,
-    traced: 128,
+    first: 256 - 64,
+    steps: 128,
+    traced: 64,
 };
 
 /// One encoded tile.
@@ -120,6 +123,21 @@ fn search_table(cb: Codebook, k: u32) -> &'static [f32] {
 /// K bits (2^(K-23) relative) count as equal.
 fn tag_mask(k: u32) -> u32 {
     (1 << k) - 1
+}
+
+/// Runs `f` with this thread's scratch for K, made once and kept (it is megabytes at small K:
+/// allocating it per call costs more in page clearing than a tile's search).
+fn with_scratch<R>(k: u32, f: impl FnOnce(&mut Scratch) -> R) -> R {
+    thread_local! {
+        static SCRATCH: std::cell::RefCell<Option<Scratch>> = const { std::cell::RefCell::new(None) };
+    }
+    SCRATCH.with(|cell| {
+        let mut slot = cell.borrow_mut();
+        if slot.as_ref().is_none_or(|s| s.k != k) {
+            *slot = Some(Scratch::new(k));
+        }
+        f(slot.as_mut().unwrap())
+    })
 }
 
 /// One trellis step: for every edge `o`, the best of the 2^K states `(c << (16-K)) | o`, each
@@ -465,13 +483,10 @@ pub fn open_costs(tiles: &[[f32; 256]], k: u32, cb: Codebook) -> Vec<f32> {
     let level = super::simd::best_level();
     tiles
         .par_iter()
-        .map_init(
-            || Scratch::new(k),
-            |s, tile| {
-                let targets: [f32; 256] = std::array::from_fn(|p| tile[POSITION_INDEX[p] as usize]);
-                open_cost_with(level, s, cb, &targets)
-            },
-        )
+        .map(|tile| {
+            let targets: [f32; 256] = std::array::from_fn(|p| tile[POSITION_INDEX[p] as usize]);
+            with_scratch(k, |s| open_cost_with(level, s, cb, &targets))
+        })
         .collect()
 }
 
@@ -522,11 +537,11 @@ pub fn encode_tile_with(
     }
 }
 
-/// Encodes many tiles on the caller's rayon pool (one scratch per worker).
+/// Encodes many tiles on the caller's rayon pool (one scratch per worker thread, kept).
 pub fn encode_tiles(tiles: &[[f32; 256]], k: u32, cb: Codebook) -> Vec<EncodedTile> {
     tiles
         .par_iter()
-        .map_init(|| Scratch::new(k), |s, t| encode_tile(t, k, cb, s))
+        .map(|t| with_scratch(k, |s| encode_tile(t, k, cb, s)))
         .collect()
 }
 
