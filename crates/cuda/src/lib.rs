@@ -258,18 +258,7 @@ impl Gpu {
         shared: u32,
         args: &[Arg],
     ) -> Result<()> {
-        if self.profile.lock().unwrap().is_some() {
-            let name = self
-                .names
-                .lock()
-                .unwrap()
-                .get(&(f.cu_function() as usize))
-                .cloned();
-            return self.timed(name.as_deref().unwrap_or("?"), || {
-                self.launch_now(f, grid, block, None, shared, args)
-            });
-        }
-        self.launch_now(f, grid, block, None, shared, args)
+        self.launch_profiled(f, grid, block, None, shared, args)
     }
 
     /// Launches `f` with its blocks grouped in thread-block clusters of `cluster` (sm_90+).
@@ -281,6 +270,19 @@ impl Gpu {
         cluster: Option<(u32, u32, u32)>,
         args: &[Arg],
     ) -> Result<()> {
+        self.launch_profiled(f, grid, block, cluster, 0, args)
+    }
+
+    /// [`Self::launch_now`], timed under the kernel's name while a profile is on.
+    fn launch_profiled(
+        &self,
+        f: &CudaFunction,
+        grid: (u32, u32, u32),
+        block: u32,
+        cluster: Option<(u32, u32, u32)>,
+        shared: u32,
+        args: &[Arg],
+    ) -> Result<()> {
         if self.profile.lock().unwrap().is_some() {
             let name = self
                 .names
@@ -289,10 +291,10 @@ impl Gpu {
                 .get(&(f.cu_function() as usize))
                 .cloned();
             return self.timed(name.as_deref().unwrap_or("?"), || {
-                self.launch_now(f, grid, block, cluster, 0, args)
+                self.launch_now(f, grid, block, cluster, shared, args)
             });
         }
-        self.launch_now(f, grid, block, cluster, 0, args)
+        self.launch_now(f, grid, block, cluster, shared, args)
     }
 
     fn launch_now(

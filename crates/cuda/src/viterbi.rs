@@ -19,7 +19,6 @@ use cudarc::driver::{CudaFunction, CudaSlice};
 use trellm_quant::exl3::codebook::{self, Codebook};
 use trellm_quant::exl3::encode::{self, EncodedTile};
 use trellm_quant::exl3::quantize::{CpuEncoder, TileEncoder};
-use trellm_quant::exl3::POSITION_INDEX;
 
 use crate::kernels::VITERBI;
 use crate::{Arg, Gpu};
@@ -137,7 +136,6 @@ impl ViterbiGpu {
         cb: Codebook,
     ) -> Result<Vec<([u16; 256], f32)>> {
         ensure!((1..=8).contains(&k), "K must be 1..=8, got {k}");
-        let table = codebook::table(cb);
         let mut out = Vec::with_capacity(targets.len());
         for chunk in targets.chunks(MAX_TILES_PER_LAUNCH) {
             self.launch(chunk, k, cb, false)?;
@@ -149,11 +147,7 @@ impl ViterbiGpu {
             for (i, t) in chunk.iter().enumerate() {
                 let mut st = [0u16; 256];
                 st.copy_from_slice(&states[i * 256..(i + 1) * 256]);
-                let cost = st.iter().zip(t).fold(0.0f32, |acc, (&s, &t)| {
-                    let d = table[s as usize] - t;
-                    acc + d * d
-                });
-                out.push((st, cost));
+                out.push((st, encode::stream_cost(&st, t, cb)));
             }
         }
         Ok(out)
@@ -239,25 +233,11 @@ impl ViterbiGpu {
         k: u32,
         cb: Codebook,
     ) -> Result<Vec<EncodedTile>> {
-        let targets: Vec<[f32; 256]> = tiles
-            .iter()
-            .map(|t| std::array::from_fn(|p| t[POSITION_INDEX[p] as usize]))
-            .collect();
-        let table = codebook::table(cb);
+        let targets: Vec<[f32; 256]> = tiles.iter().map(encode::position_order).collect();
         Ok(self
             .viterbi(&targets, k, cb)?
-            .into_iter()
-            .map(|(states, cost)| {
-                let mut values = [0.0f32; 256];
-                for (&st, &i) in states.iter().zip(POSITION_INDEX.iter()) {
-                    values[i as usize] = table[st as usize];
-                }
-                EncodedTile {
-                    bytes: encode::pack(&states, k),
-                    values,
-                    cost,
-                }
-            })
+            .iter()
+            .map(|(states, cost)| EncodedTile::from_states(states, *cost, k, cb))
             .collect())
     }
 }
@@ -294,29 +274,28 @@ impl GpuEncoder {
     }
 }
 
+impl GpuEncoder {
+    /// `f` on the GPU unless it has failed before; a failure is kept and gives `None`.
+    fn try_gpu<T>(&self, f: impl FnOnce(&mut ViterbiGpu) -> Result<T>) -> Option<T> {
+        if self.error.lock().unwrap().is_some() {
+            return None;
+        }
+        f(&mut self.inner.lock().unwrap())
+            .map_err(|e| *self.error.lock().unwrap() = Some(format!("{e:#}")))
+            .ok()
+    }
+}
+
 impl TileEncoder for GpuEncoder {
     fn encode_tiles(&self, tiles: &[[f32; 256]], k: u32, cb: Codebook) -> Vec<EncodedTile> {
-        if self.error.lock().unwrap().is_none() {
-            match self.inner.lock().unwrap().encode_tiles(tiles, k, cb) {
-                Ok(v) => return v,
-                Err(e) => *self.error.lock().unwrap() = Some(format!("{e:#}")),
-            }
-        }
-        CpuEncoder.encode_tiles(tiles, k, cb)
+        self.try_gpu(|g| g.encode_tiles(tiles, k, cb))
+            .unwrap_or_else(|| CpuEncoder.encode_tiles(tiles, k, cb))
     }
 
     fn open_costs(&self, tiles: &[[f32; 256]], k: u32, cb: Codebook) -> Vec<f32> {
-        if self.error.lock().unwrap().is_none() {
-            let targets: Vec<[f32; 256]> = tiles
-                .iter()
-                .map(|t| std::array::from_fn(|p| t[POSITION_INDEX[p] as usize]))
-                .collect();
-            match self.inner.lock().unwrap().open_costs(&targets, k, cb) {
-                Ok(v) => return v,
-                Err(e) => *self.error.lock().unwrap() = Some(format!("{e:#}")),
-            }
-        }
-        CpuEncoder.open_costs(tiles, k, cb)
+        let targets: Vec<[f32; 256]> = tiles.iter().map(encode::position_order).collect();
+        self.try_gpu(|g| g.open_costs(&targets, k, cb))
+            .unwrap_or_else(|| CpuEncoder.open_costs(tiles, k, cb))
     }
 }
 

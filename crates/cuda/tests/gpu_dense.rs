@@ -3,6 +3,8 @@
 
 mod common;
 
+use common::gpu;
+
 use std::sync::Arc;
 
 use trellm_cuda::dense::{DenseModel, DenseWeights, FewRows};
@@ -13,15 +15,6 @@ use trellm_model::{ModelConfig, Plan};
 /// The decoder for `cfg` with its plan.
 fn model(gpu: Arc<Gpu>, cfg: &ModelConfig, w: DenseWeights, ctx: usize) -> DenseModel {
     DenseModel::new(gpu, cfg, &Plan::new(cfg), w, ctx, ctx).unwrap()
-}
-
-fn gpu() -> Arc<Gpu> {
-    assert!(
-        trellm_cuda::available(),
-        "{}",
-        trellm_cuda::unavailable_reason()
-    );
-    Arc::new(Gpu::new(0).expect("a usable device"))
 }
 
 /// Prefill of n tokens and (prefill of n-1, then one graph-replayed decode step) give the same

@@ -5,7 +5,7 @@
 
 mod common;
 
-use std::sync::Arc;
+use common::gpu;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -15,15 +15,6 @@ use trellm_cuda::{bench, Gpu};
 use trellm_model::weights::{Linear, LinearWeight, TensorSource, Weights};
 use trellm_model::ModelConfig;
 use trellm_quant::exl3::{self, Bitrate, Codebook, Exl3Shape};
-
-fn gpu() -> Arc<Gpu> {
-    assert!(
-        trellm_cuda::available(),
-        "{}",
-        trellm_cuda::unavailable_reason()
-    );
-    Arc::new(Gpu::new(0).expect("a usable device"))
-}
 
 const CODEBOOKS: [Codebook; 3] = [Codebook::Inst3, Codebook::Mcg, Codebook::Mul1];
 

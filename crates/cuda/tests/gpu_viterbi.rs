@@ -6,26 +6,17 @@
 
 mod common;
 
-use std::sync::Arc;
+use common::gpu;
+
 use std::time::Instant;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use trellm_cuda::viterbi::ViterbiGpu;
-use trellm_cuda::Gpu;
 use trellm_quant::exl3::encode::{self, Scratch};
 use trellm_quant::exl3::simd::best_level;
-use trellm_quant::exl3::{Codebook, POSITION_INDEX};
-
-fn gpu() -> Arc<Gpu> {
-    assert!(
-        trellm_cuda::available(),
-        "{}",
-        trellm_cuda::unavailable_reason()
-    );
-    Arc::new(Gpu::new(0).expect("a usable device"))
-}
+use trellm_quant::exl3::Codebook;
 
 const CODEBOOKS: [Codebook; 3] = [Codebook::Inst3, Codebook::Mcg, Codebook::Mul1];
 
@@ -100,10 +91,7 @@ fn states_and_costs_match_the_cpu() {
                 }
             }
             // The scale search's open streams (one pass, its best final cost).
-            let targets: Vec<[f32; 256]> = tl
-                .iter()
-                .map(|t| std::array::from_fn(|p| t[POSITION_INDEX[p] as usize]))
-                .collect();
+            let targets: Vec<[f32; 256]> = tl.iter().map(encode::position_order).collect();
             let open = enc.open_costs(&targets, k, cb).unwrap();
             for (i, (t, g)) in targets.iter().zip(&open).enumerate() {
                 let c = encode::open_cost_with(best_level(), &mut s, cb, t);

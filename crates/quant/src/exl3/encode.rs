@@ -451,7 +451,6 @@ pub fn viterbi_with(
     cb: Codebook,
     targets: &[f32; 256],
 ) -> ([u16; 256], f32) {
-    let table = codebook::table(cb);
     let edges = 1usize << (16 - s.k);
     let mut states = [0u16; 256];
     let p = PASS1;
@@ -461,11 +460,38 @@ pub fn viterbi_with(
     // Pass 2: the whole tile from that edge back to it.
     forward(level, s, cb, targets, 0, 256, Some(wrap), 0);
     backtrack(s, 0, 256, wrap, 0, &mut states);
-    let cost = states.iter().zip(targets).fold(0.0f32, |acc, (&st, &t)| {
+    (states, stream_cost(&states, targets, cb))
+}
+
+/// A row-major tile (`[in 16][out 16]`) in trellis position order, as the search takes it.
+pub fn position_order(tile: &[f32; 256]) -> [f32; 256] {
+    std::array::from_fn(|p| tile[POSITION_INDEX[p] as usize])
+}
+
+/// The squared error of the values `states` decode to against `targets` (position order),
+/// summed in position order with separate multiplies and adds.
+pub fn stream_cost(states: &[u16; 256], targets: &[f32; 256], cb: Codebook) -> f32 {
+    let table = codebook::table(cb);
+    states.iter().zip(targets).fold(0.0f32, |acc, (&st, &t)| {
         let d = table[st as usize] - t;
         acc + d * d
-    });
-    (states, cost)
+    })
+}
+
+impl EncodedTile {
+    /// The tile a search's states encode at K bits, with the search's cost.
+    pub fn from_states(states: &[u16; 256], cost: f32, k: u32, cb: Codebook) -> EncodedTile {
+        let table = codebook::table(cb);
+        let mut values = [0.0f32; 256];
+        for (&st, &i) in states.iter().zip(POSITION_INDEX.iter()) {
+            values[i as usize] = table[st as usize];
+        }
+        EncodedTile {
+            bytes: pack(states, k),
+            values,
+            cost,
+        }
+    }
 }
 
 /// The squared error of the best stream for `targets` when its ends need not meet (one
@@ -483,10 +509,7 @@ pub fn open_costs(tiles: &[[f32; 256]], k: u32, cb: Codebook) -> Vec<f32> {
     let level = super::simd::best_level();
     tiles
         .par_iter()
-        .map(|tile| {
-            let targets: [f32; 256] = std::array::from_fn(|p| tile[POSITION_INDEX[p] as usize]);
-            with_scratch(k, |s| open_cost_with(level, s, cb, &targets))
-        })
+        .map(|tile| with_scratch(k, |s| open_cost_with(level, s, cb, &position_order(tile))))
         .collect()
 }
 
@@ -520,21 +543,8 @@ pub fn encode_tile_with(
     s: &mut Scratch,
 ) -> EncodedTile {
     assert_eq!(s.k, k, "scratch made for another K");
-    let mut targets = [0.0f32; 256];
-    for (t, &i) in targets.iter_mut().zip(POSITION_INDEX.iter()) {
-        *t = tile[i as usize];
-    }
-    let (states, cost) = viterbi_with(level, s, cb, &targets);
-    let table = codebook::table(cb);
-    let mut values = [0.0f32; 256];
-    for (&st, &i) in states.iter().zip(POSITION_INDEX.iter()) {
-        values[i as usize] = table[st as usize];
-    }
-    EncodedTile {
-        bytes: pack(&states, k),
-        values,
-        cost,
-    }
+    let (states, cost) = viterbi_with(level, s, cb, &position_order(tile));
+    EncodedTile::from_states(&states, cost, k, cb)
 }
 
 /// Encodes many tiles on the caller's rayon pool (one scratch per worker thread, kept).

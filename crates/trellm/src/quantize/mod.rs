@@ -548,10 +548,10 @@ fn quantize_hf(
         for (half, roles) in [(&ops[..split], &ATTN[..]), (&ops[split..], &MLP[..])] {
             // Inputs seen with this half's source weights (the earlier ones quantized).
             let mut hs: HashMap<Tap, Hessian> = HashMap::new();
-            for row in &state {
-                let mut x = row.clone();
+            // TapOnly leaves the rows as they are: no copy needed.
+            for row in &mut state {
                 let n = row.len() / hidden;
-                model.forward_layer(half, &qlw, &mut x, Tail::TapOnly, &mut |tap, input| {
+                model.forward_layer(half, &qlw, row, Tail::TapOnly, &mut |tap, input| {
                     hs.entry(tap)
                         .or_insert_with(|| Hessian::new(input.len() / n))
                         .add(input);
