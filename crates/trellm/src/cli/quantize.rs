@@ -28,9 +28,10 @@ pub struct QuantizeArgs {
     /// Trellis codebook: mul1 (exllamav3's default), mcg or 3inst.
     #[arg(long, default_value = "mul1")]
     pub codebook: String,
-    /// Calibration text (UTF-8, used whole) [default: the first 40% of the lines of
-    /// ../shared/data/wikitext-2-raw-test.raw, lines 1-1156 of 2892 split on \n; evaluate on
-    /// the rest].
+    /// Calibration text (UTF-8, used whole), or token rows: a `.safetensors` file with
+    /// `input_ids` [rows, cols] (and optionally `lengths`), as exllamav3's --cal_data [default:
+    /// the first 40% of the lines of ../shared/data/wikitext-2-raw-test.raw, lines 1-1156 of
+    /// 2892 split on \n; evaluate on the rest].
     #[arg(long)]
     pub calibration: Option<PathBuf>,
     /// Calibration rows (0: no calibration, every H the identity). exllamav3's default.
@@ -97,23 +98,38 @@ fn options(a: &QuantizeArgs) -> Result<Options> {
 
 pub fn run(a: QuantizeArgs) -> Result<()> {
     let opts = options(&a)?;
-    // The text is read before the model so a missing file fails at once.
-    let text = if a.calib_rows > 0 {
+    let token_file = a
+        .calibration
+        .as_deref()
+        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"));
+    // A text is read before the model so a missing file fails at once.
+    let text = if a.calib_rows > 0 && token_file.is_none() {
         Some(calibration::text(a.calibration.as_deref())?)
     } else {
         None
     };
     let m = a.model.load()?;
-    let cal = match text {
-        None => Calibration {
-            rows: Vec::new(),
-            asked: (0, 0),
-            text: "none (H = identity)".into(),
-        },
-        Some(t) => {
+    let cols = a.calib_cols.min(m.model.cfg.max_context.max(2));
+    let cal = match (text, token_file) {
+        (_, Some(file)) if a.calib_rows > 0 => {
+            let t = calibration::token_rows(file, a.calib_rows, cols, m.model.cfg.vocab)?;
+            if t.rows.len() < a.calib_rows && !a.quiet {
+                eprintln!(
+                    "trellm quantize: {} holds {} rows, fewer than --calib-rows {}",
+                    file.display(),
+                    t.rows.len(),
+                    a.calib_rows
+                );
+            }
+            Calibration {
+                rows: t.rows,
+                asked: (a.calib_rows, cols),
+                text: t.describe,
+            }
+        }
+        (Some(t), _) => {
             let tok = m.tokenizer()?;
             let ids = tok.encode(&t.text, false)?;
-            let cols = a.calib_cols.min(m.model.cfg.max_context.max(2));
             let bos = if tok.add_bos() { tok.bos_id() } else { None };
             let rows = calibration::rows(&ids, bos, a.calib_rows, cols);
             if rows.len() < a.calib_rows && !a.quiet {
@@ -130,6 +146,11 @@ pub fn run(a: QuantizeArgs) -> Result<()> {
                 text: t.describe,
             }
         }
+        _ => Calibration {
+            rows: Vec::new(),
+            asked: (0, 0),
+            text: "none (H = identity)".into(),
+        },
     };
     quantize(&m, &a.out, &cal, &opts)?;
     Ok(())

@@ -93,6 +93,86 @@ pub fn rows(tokens: &[u32], bos: Option<u32>, rows: usize, cols: usize) -> Vec<V
     out
 }
 
+/// Calibration rows read as tokens, and a description of them for `config.json`.
+pub struct TokenRows {
+    pub rows: Vec<Vec<u32>>,
+    pub describe: String,
+}
+
+/// Token rows from a safetensors file, the calibration exllamav3's `--cal_data` takes: an
+/// `input_ids` tensor `[rows][cols]` (I32 or I64) and optionally `lengths` `[rows]` (a row's
+/// tokens from position 0, right-padded). Each row cropped to `cols`, the first `rows` kept;
+/// an id outside the vocabulary is an error (the file was made with another tokenizer).
+pub fn token_rows(path: &Path, rows: usize, cols: usize, vocab: usize) -> Result<TokenRows> {
+    let name = path.display();
+    let st = trellm_formats::safetensors::SafeTensors::open(path)
+        .with_context(|| format!("--calibration: cannot read {name}"))?;
+    let ints = |tensor: &str| -> Result<Option<(Vec<usize>, Vec<i64>)>> {
+        let Some(t) = st.get(tensor) else {
+            return Ok(None);
+        };
+        let bytes = st.data(t);
+        let width = match t.dtype_name.as_str() {
+            "I32" => 4,
+            "I64" => 8,
+            other => bail!("--calibration: {name}: {tensor} is {other}, not I32 or I64"),
+        };
+        let count: usize = t.shape.iter().product();
+        if bytes.len() != count * width {
+            bail!(
+                "--calibration: {name}: {tensor} holds {} bytes for shape {:?}",
+                bytes.len(),
+                t.shape
+            );
+        }
+        let values = bytes
+            .chunks_exact(width)
+            .map(|b| match width {
+                4 => i32::from_le_bytes(b.try_into().expect("4 bytes")) as i64,
+                _ => i64::from_le_bytes(b.try_into().expect("8 bytes")),
+            })
+            .collect();
+        Ok(Some((t.shape.clone(), values)))
+    };
+    let Some((shape, ids)) = ints("input_ids")? else {
+        bail!("--calibration: {name} has no input_ids tensor");
+    };
+    let [n, width] = shape[..] else {
+        bail!("--calibration: {name}: input_ids has shape {shape:?}, not [rows, cols]");
+    };
+    let lengths = ints("lengths")?;
+    if let Some((s, _)) = &lengths {
+        if s[..] != [n] {
+            bail!("--calibration: {name}: lengths has shape {s:?}, not [{n}]");
+        }
+    }
+    let mut out = Vec::new();
+    for r in 0..n.min(rows) {
+        let len = lengths
+            .as_ref()
+            .map_or(width, |(_, l)| l[r].clamp(0, width as i64) as usize);
+        let row = &ids[r * width..r * width + len.min(cols)];
+        if row.is_empty() {
+            bail!("--calibration: {name}: row {r} is empty");
+        }
+        if let Some(&bad) = row.iter().find(|&&t| t < 0 || t as usize >= vocab) {
+            bail!(
+                "--calibration: {name}: row {r} holds token id {bad}, outside the model's \
+                 vocabulary of {vocab} (made with another tokenizer?)"
+            );
+        }
+        out.push(row.iter().map(|&t| t as u32).collect());
+    }
+    Ok(TokenRows {
+        describe: format!(
+            "{name} (token rows: {} of {n}, up to {} tokens each)",
+            out.len(),
+            cols.min(width)
+        ),
+        rows: out,
+    })
+}
+
 /// Rows per f32 product before it is added to the f64 sum: small enough that the f32 partial
 /// sums lose nothing that matters, large enough for the GEMM to run at speed.
 const CHUNK_ROWS: usize = 2048;
@@ -229,6 +309,57 @@ mod tests {
                 assert!((h.padded(d)[i * d + j] - want).abs() < 1e-5, "{i} {j}");
             }
         }
+    }
+
+    #[test]
+    fn token_rows_read_ids_and_lengths_and_refuse_foreign_ids() {
+        use crate::quantize::folder::{write_safetensors, Tensor};
+        let dir = std::env::temp_dir().join(format!("trellm-cal-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = |name: &str, tensors: &[Tensor]| {
+            let p = dir.join(name);
+            write_safetensors(&p, &tensors.iter().collect::<Vec<_>>()).unwrap();
+            p
+        };
+        let i64s = |name: &str, shape: Vec<usize>, v: &[i64]| Tensor {
+            name: name.into(),
+            dtype: "I64".into(),
+            shape,
+            bytes: v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        };
+        let ids = i64s(
+            "input_ids",
+            vec![3, 4],
+            &[5, 6, 7, 8, 9, 10, 0, 0, 1, 2, 3, 4],
+        );
+        let p = file(
+            "a.safetensors",
+            &[ids, i64s("lengths", vec![3], &[4, 2, 4])],
+        );
+        let t = token_rows(&p, 10, 3, 100).unwrap();
+        assert_eq!(t.rows, vec![vec![5, 6, 7], vec![9, 10], vec![1, 2, 3]]);
+        assert_eq!(
+            token_rows(&p, 1, 8, 100).unwrap().rows,
+            vec![vec![5, 6, 7, 8]]
+        );
+        let e = token_rows(&p, 10, 8, 9).err().unwrap().to_string();
+        assert!(
+            e.contains("token id 9") && e.contains("vocabulary of 9"),
+            "{e}"
+        );
+
+        let i32s = Tensor {
+            name: "input_ids".into(),
+            dtype: "I32".into(),
+            shape: vec![1, 2],
+            bytes: [3i32, 4].iter().flat_map(|x| x.to_le_bytes()).collect(),
+        };
+        let p = file("b.safetensors", &[i32s]);
+        assert_eq!(token_rows(&p, 5, 8, 10).unwrap().rows, vec![vec![3, 4]]);
+        let p = file("c.safetensors", &[i64s("ids", vec![1, 1], &[1])]);
+        let e = token_rows(&p, 5, 8, 10).err().unwrap().to_string();
+        assert!(e.contains("no input_ids"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
