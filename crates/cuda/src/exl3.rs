@@ -78,6 +78,12 @@ pub fn variant_defines(v: &str) -> Vec<String> {
     v.split(',').map(str::to_string).collect()
 }
 
+/// Rows each warp of the input Hadamard (`exl3_in`) takes, its loads issued together (`IN_ROWS`
+/// in exl3.cu).
+const IN_ROWS: usize = 4;
+/// Tile rows each block of the decode to fp16 (`exl3_dequant`) takes (`DQ_TILES` in exl3.cu).
+const DQ_TILES: usize = 4;
+
 /// Most rows the tensor-core GEMV takes (its widest instantiation, `exl3_mma64`).
 pub const MMA_ROWS: usize = 64;
 
@@ -656,7 +662,7 @@ impl Exl3Linear {
             let cols = bc.min(n - c0);
             gpu.launch(
                 &self.k.dequant,
-                ((cols / 128) as u32, (k / 16) as u32, 1),
+                ((cols / 128) as u32, (k / 16 / DQ_TILES) as u32, 1),
                 256,
                 &[
                     Arg::Ptr(gpu.ptr(&self.trellis)),
@@ -685,7 +691,7 @@ impl Exl3Linear {
         let k = self.shape.k;
         gpu.launch(
             &self.k.input,
-            ((k / 128).div_ceil(4) as u32, m as u32, 1),
+            ((k / 128).div_ceil(4) as u32, m.div_ceil(IN_ROWS) as u32, 1),
             128,
             &[
                 Arg::Ptr(x.ptr),
@@ -696,6 +702,7 @@ impl Exl3Linear {
                 Arg::Ptr(xh),
                 Arg::I32(f16 as i32),
                 Arg::I32(k as i32),
+                Arg::I32(m as i32),
             ],
         )
     }
@@ -783,7 +790,7 @@ impl Exl3Linear {
         for (ptr, f16) in [(gpu.ptr(&w), 0), (gpu.ptr(&h), 1)] {
             gpu.launch(
                 &self.k.dequant,
-                ((n / 128) as u32, (k / 16) as u32, 1),
+                ((n / 128) as u32, (k / 16 / DQ_TILES) as u32, 1),
                 256,
                 &[
                     Arg::Ptr(gpu.ptr(&self.trellis)),

@@ -212,11 +212,11 @@ __device__ __forceinline__ uint2 pack_f16x4(const float (&v)[4]) {
     return make_uint2(h01, h23);
 }
 
-// v = H128(x[r] * suh) over inputs c0 - 4 lane .. + 128 (this lane's four from c0), x zero-
-// extended from `cols` (the model's padding to 128s); x is f32 or bf16 (x_bf16), row stride ldx.
-__device__ __forceinline__ void rotate_in(const void* __restrict__ x, int x_bf16, int ldx, int cols,
-                                          const float* __restrict__ suh, long long r, int c0,
-                                          int lane, float (&v)[4]) {
+// v = x[r] * suh, this lane's four inputs from c0, x zero-extended from `cols` (the model's padding
+// to 128s); x is f32 or bf16 (x_bf16), row stride ldx.
+__device__ __forceinline__ void load_in(const void* __restrict__ x, int x_bf16, int ldx, int cols,
+                                        const float* __restrict__ suh, long long r, int c0,
+                                        float (&v)[4]) {
     const long long xo = r * ldx + c0;
     const void* xp = x_bf16 ? (const void*)((const bf16*)x + xo) : (const void*)((const float*)x + xo);
     if (c0 + 3 < cols && ((u64)xp & (x_bf16 ? 7 : 15)) == 0) {
@@ -241,30 +241,49 @@ __device__ __forceinline__ void rotate_in(const void* __restrict__ x, int x_bf16
             v[i] = c < cols ? __fmul_rn(xv, suh[c]) : 0.0f;
         }
     }
+}
+
+// v = H128(x[r] * suh) over inputs c0 - 4 lane .. + 128 (this lane's four from c0).
+__device__ __forceinline__ void rotate_in(const void* __restrict__ x, int x_bf16, int ldx, int cols,
+                                          const float* __restrict__ suh, long long r, int c0,
+                                          int lane, float (&v)[4]) {
+    load_in(x, x_bf16, ldx, cols, suh, r, c0, v);
     had128(v, lane);
 }
 
-// xh[r] = H128(x[r] * suh) for the m rows r = blockIdx.y, x zero-extended from `cols` to `k` (the
-// model's padding to 128s). x is f32 or bf16 (x_bf16), row stride ldx; xh is f32 (the exact
-// path) or fp16 (xh_f16: the tensor-core GEMM's operand; clamped to fp16's range, as a real
-// activation beyond it would already be inf in exllamav3's fp16). One warp per 128-block; blocks
-// of 4 warps.
+// Rows of x each warp of exl3_in rotates, their loads issued together (exl3::IN_ROWS).
+#define IN_ROWS 4
+
+// xh[r] = H128(x[r] * suh) for the m rows, IN_ROWS a block from IN_ROWS blockIdx.y, x zero-extended
+// from `cols` to `k` (the model's padding to 128s). x is f32 or bf16 (x_bf16), row stride ldx; xh
+// is f32 (the exact path) or fp16 (xh_f16: the tensor-core GEMM's operand; clamped to fp16's range,
+// as a real activation beyond it would already be inf in exllamav3's fp16). One warp per
+// 128-block; blocks of 4 warps.
 extern "C" __global__ void __launch_bounds__(128) exl3_in(const void* __restrict__ x, int x_bf16,
                                                           int ldx, int cols,
                                                           const float* __restrict__ suh,
-                                                          void* __restrict__ xh, int xh_f16, int k) {
+                                                          void* __restrict__ xh, int xh_f16, int k,
+                                                          int m) {
     const int lane = threadIdx.x & 31;
     const int blk = blockIdx.x * 4 + (threadIdx.x >> 5);
-    const long long r = blockIdx.y;
     if (blk * 128 >= k) return;
     const int c0 = blk * 128 + 4 * lane;
-    float v[4];
-    rotate_in(x, x_bf16, ldx, cols, suh, r, c0, lane, v);
-    const long long o = r * k + c0;
-    if (xh_f16) {
-        *(uint2*)((unsigned short*)xh + o) = pack_f16x4(v);
-    } else {
-        *(float4*)((float*)xh + o) = make_float4(v[0], v[1], v[2], v[3]);
+    const long long r0 = (long long)blockIdx.y * IN_ROWS;
+    float v[IN_ROWS][4];
+    // Every row's loads first: more bytes in flight.
+#pragma unroll
+    for (int i = 0; i < IN_ROWS; i++)
+        if (r0 + i < m) load_in(x, x_bf16, ldx, cols, suh, r0 + i, c0, v[i]);
+#pragma unroll
+    for (int i = 0; i < IN_ROWS; i++) {
+        if (r0 + i >= m) break;
+        had128(v[i], lane);
+        const long long o = (r0 + i) * k + c0;
+        if (xh_f16) {
+            *(uint2*)((unsigned short*)xh + o) = pack_f16x4(v[i]);
+        } else {
+            *(float4*)((float*)xh + o) = make_float4(v[i][0], v[i][1], v[i][2], v[i][3]);
+        }
     }
 }
 
@@ -696,50 +715,53 @@ extern "C" __global__ void __launch_bounds__(128) exl3_out(const float* __restri
     }
 }
 
+// Tile rows each block of exl3_dequant decodes, their words loaded together (exl3::DQ_TILES).
+#define DQ_TILES 4
+
 // W_inner decoded, row-major [k][ld], columns 128 band0 .. of it from column 0: f32 (the
 // exactness check) or fp16 (w_f16: the prefill GEMM's operand; every codebook value is an fp16,
 // so nothing is rounded). With svh (fp16 only), each row's 128-column segments are also
 // rotated and scaled, W H128 * svh rounded to fp16, which folds the output Hadamard into the
-// GEMM (y = xh W H128 * svh, H128 symmetric). Grid (bands, k / 16), 8 warps, one tile each.
+// GEMM (y = xh W H128 * svh, H128 symmetric). Grid (bands, k / (16 DQ_TILES)), 8 warps, each a
+// column of DQ_TILES tiles.
 extern "C" __global__ void __launch_bounds__(256) exl3_dequant(const u32* __restrict__ trellis,
                                                                void* __restrict__ w, int w_f16,
                                                                int tiles_n, int band0, int ld,
                                                                const float* __restrict__ svh) {
-    const int lane = threadIdx.x & 31;
-    const int tc = blockIdx.x * EXL3_WARPS + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int tc = blockIdx.x * EXL3_WARPS + warp;
     const int tn = band0 * EXL3_WARPS + tc;
-    const int tk = blockIdx.y;
+    const int tk0 = blockIdx.y * DQ_TILES;
     const LaneWords g = lane_words(lane);
-    u32 words[NLOAD];
-    load_words(trellis + ((long long)tk * tiles_n + tn) * TILE_WORDS, g, words);
-    // j: decode8's order (row 2 (lane & 3) + (j & 1) + 8 ((j >> 1) & 1), column lane / 4 +
-    // 8 (j >> 2)).
-    const auto at = [&](int j) {
-        const int row = 2 * (lane & 3) + (j & 1) + 8 * ((j >> 1) & 1);
-        const int col = (lane >> 2) + 8 * (j >> 2);
-        return (long long)(tk * 16 + row) * ld + tc * 16 + col;
-    };
+    u32 words[DQ_TILES][NLOAD];
+#pragma unroll
+    for (int t = 0; t < DQ_TILES; t++)
+        load_words(trellis + ((long long)(tk0 + t) * tiles_n + tn) * TILE_WORDS, g, words[t]);
     if (w_f16) {
         // The fp16 decoder (the tensor-core kernels' values), through shared memory so the band's
-        // rows go out as whole 16-byte stores: a block writes 16 rows x 128 columns.
-        __shared__ __align__(16) unsigned short band[16][128 + 8];
-        u32 h[4];
-        decode8h(words, g.shift, h);
-        const int warp = threadIdx.x >> 5;
+        // rows go out as whole 16-byte stores: a block writes 16 DQ_TILES rows x 128 columns.
+        __shared__ __align__(16) unsigned short band[16 * DQ_TILES][128 + 8];
 #pragma unroll
-        for (int j = 0; j < 8; j++) {
-            const int row = 2 * (lane & 3) + (j & 1) + 8 * ((j >> 1) & 1);
-            const int col = (lane >> 2) + 8 * (j >> 2);
-            band[row][16 * warp + col] = (unsigned short)(h[j >> 1] >> (16 * (j & 1)));
+        for (int t = 0; t < DQ_TILES; t++) {
+            u32 h[4];
+            decode8h(words[t], g.shift, h);
+            // j: decode8's order (row 2 (lane & 3) + (j & 1) + 8 ((j >> 1) & 1), column lane / 4
+            // + 8 (j >> 2)).
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                const int row = 16 * t + 2 * (lane & 3) + (j & 1) + 8 * ((j >> 1) & 1);
+                const int col = (lane >> 2) + 8 * (j >> 2);
+                band[row][16 * warp + col] = (unsigned short)(h[j >> 1] >> (16 * (j & 1)));
+            }
         }
         __syncthreads();
         if (svh) {
-            // Warp w rotates rows 2w and 2w + 1 (lane: columns 4 lane ..).
+            // Warp w rotates rows 2 DQ_TILES w .. (lane: columns 4 lane ..).
             const int c0 = (band0 + blockIdx.x) * 128 + 4 * lane;
             const float4 sv = *(const float4*)(svh + c0);
 #pragma unroll
-            for (int rr = 0; rr < 2; rr++) {
-                const int r = 2 * warp + rr;
+            for (int rr = 0; rr < 2 * DQ_TILES; rr++) {
+                const int r = 2 * DQ_TILES * warp + rr;
                 float v[4];
 #pragma unroll
                 for (int i = 0; i < 4; i++) v[i] = h2f(band[r][4 * lane + i]);
@@ -750,13 +772,23 @@ extern "C" __global__ void __launch_bounds__(256) exl3_dequant(const u32* __rest
             }
             __syncthreads();
         }
-        const int row = threadIdx.x >> 4, c8 = 8 * (threadIdx.x & 15);
-        *(uint4*)((unsigned short*)w + (long long)(tk * 16 + row) * ld + blockIdx.x * 128 + c8) =
-            *(const uint4*)&band[row][c8];
-    } else {
-        float v[8];
-        decode8(words, g.shift, v);
 #pragma unroll
-        for (int j = 0; j < 8; j++) ((float*)w)[at(j)] = v[j];
+        for (int t = 0; t < DQ_TILES; t++) {
+            const int row = 16 * t + (threadIdx.x >> 4), c8 = 8 * (threadIdx.x & 15);
+            *(uint4*)((unsigned short*)w + (long long)(tk0 * 16 + row) * ld + blockIdx.x * 128 +
+                      c8) = *(const uint4*)&band[row][c8];
+        }
+    } else {
+#pragma unroll
+        for (int t = 0; t < DQ_TILES; t++) {
+            float v[8];
+            decode8(words[t], g.shift, v);
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                const int row = 2 * (lane & 3) + (j & 1) + 8 * ((j >> 1) & 1);
+                const int col = (lane >> 2) + 8 * (j >> 2);
+                ((float*)w)[(long long)((tk0 + t) * 16 + row) * ld + tc * 16 + col] = v[j];
+            }
+        }
     }
 }
