@@ -715,6 +715,12 @@ extern "C" __global__ void __launch_bounds__(128) exl3_out(const float* __restri
     }
 }
 
+// Row and column in its tile of a lane's j-th weight in decode8's order.
+__device__ __forceinline__ int frag_row(int lane, int j) {
+    return 2 * (lane & 3) + (j & 1) + 8 * ((j >> 1) & 1);
+}
+__device__ __forceinline__ int frag_col(int lane, int j) { return (lane >> 2) + 8 * (j >> 2); }
+
 // Tile rows each block of exl3_dequant decodes, their words loaded together (exl3::DQ_TILES).
 #define DQ_TILES 4
 
@@ -745,14 +751,10 @@ extern "C" __global__ void __launch_bounds__(256) exl3_dequant(const u32* __rest
         for (int t = 0; t < DQ_TILES; t++) {
             u32 h[4];
             decode8h(words[t], g.shift, h);
-            // j: decode8's order (row 2 (lane & 3) + (j & 1) + 8 ((j >> 1) & 1), column lane / 4
-            // + 8 (j >> 2)).
 #pragma unroll
-            for (int j = 0; j < 8; j++) {
-                const int row = 16 * t + 2 * (lane & 3) + (j & 1) + 8 * ((j >> 1) & 1);
-                const int col = (lane >> 2) + 8 * (j >> 2);
-                band[row][16 * warp + col] = (unsigned short)(h[j >> 1] >> (16 * (j & 1)));
-            }
+            for (int j = 0; j < 8; j++)
+                band[16 * t + frag_row(lane, j)][16 * warp + frag_col(lane, j)] =
+                    (unsigned short)(h[j >> 1] >> (16 * (j & 1)));
         }
         __syncthreads();
         if (svh) {
@@ -784,11 +786,9 @@ extern "C" __global__ void __launch_bounds__(256) exl3_dequant(const u32* __rest
             float v[8];
             decode8(words[t], g.shift, v);
 #pragma unroll
-            for (int j = 0; j < 8; j++) {
-                const int row = 2 * (lane & 3) + (j & 1) + 8 * ((j >> 1) & 1);
-                const int col = (lane >> 2) + 8 * (j >> 2);
-                ((float*)w)[(long long)((tk0 + t) * 16 + row) * ld + tc * 16 + col] = v[j];
-            }
+            for (int j = 0; j < 8; j++)
+                ((float*)w)[(long long)((tk0 + t) * 16 + frag_row(lane, j)) * ld + tc * 16 +
+                            frag_col(lane, j)] = v[j];
         }
     }
 }
