@@ -1,10 +1,12 @@
-//! AVX2 + FMA + F16C tile kernels: the 256 states cut from the stream by a scalar walk (AVX2 has
-//! no 16-bit permutes or shifts by lane), then the codebook evaluated one tile row (16 states)
+//! AVX2 + FMA + F16C tile kernels: the 256 states cut from the stream 8 at a time (gathers of the
+//! two words around each state's window, shifts by lane on 32-bit lanes), then the codebook evaluated one tile row (16 states)
 //! per vector, the tile kept in f32 on the stack and multiplied into up to four activation rows
 //! at a time, accumulating in `out`.
 #![allow(clippy::needless_range_loop)]
 
 use core::arch::x86_64::*;
+
+use std::sync::OnceLock;
 
 use super::{state_destinations, Order};
 use crate::exl3::codebook::{Codebook, INST3_ADD, INST3_MUL, MCG_MUL, MUL1_A, MUL1_B, MUL1_MUL};
@@ -15,10 +17,51 @@ const INST3: u8 = 0;
 const MCG: u8 = 1;
 const MUL1: u8 = 2;
 
-/// The tile's 256 states, each at `dst[position]` of `st`.
+/// The position whose state each of the 256 slots holds (the inverse of [`state_destinations`]).
+fn state_sources(order: Order) -> &'static [i32; 256] {
+    static T: [OnceLock<[i32; 256]>; 2] = [OnceLock::new(), OnceLock::new()];
+    T[order as usize].get_or_init(|| {
+        let mut src = [0i32; 256];
+        for (p, &slot) in state_destinations(order).iter().enumerate() {
+            src[slot as usize] = p as i32;
+        }
+        src
+    })
+}
+
+/// The states of 8 slots whose positions are `p`: the 16 stream bits ending at each position's
+/// end bit (`(p + 1) K`, plus one per odd position before it at half rates), circularly, read
+/// from the tile's big-endian words `w` (with its first two repeated past the end).
 #[inline(always)]
-unsafe fn tile_states(tile: *const u8, rate: Bitrate, dst: &[u8; 256], st: &mut [u16; 256]) {
-    let total = rate.tile_bits();
+unsafe fn states8(w: &[u32; 66], p: __m256i, ka: i32, half: i32, total: i32) -> __m256i {
+    let p1 = _mm256_add_epi32(p, _mm256_set1_epi32(1));
+    let end = _mm256_add_epi32(
+        _mm256_mullo_epi32(p1, _mm256_set1_epi32(ka)),
+        _mm256_and_si256(_mm256_srli_epi32::<1>(p1), _mm256_set1_epi32(-half)),
+    );
+    // end - 16, wrapped into the tile where it would start before bit 0.
+    let wrap = _mm256_and_si256(
+        _mm256_cmpgt_epi32(_mm256_set1_epi32(16), end),
+        _mm256_set1_epi32(total),
+    );
+    let start = _mm256_add_epi32(_mm256_sub_epi32(end, _mm256_set1_epi32(16)), wrap);
+    let i = _mm256_srli_epi32::<5>(start);
+    let sh = _mm256_and_si256(start, _mm256_set1_epi32(31));
+    let base = w.as_ptr().cast::<i32>();
+    let hi = _mm256_i32gather_epi32::<4>(base, i);
+    let lo = _mm256_i32gather_epi32::<4>(base.add(1), i);
+    // The 32 bits from `sh` bits into w[i] (a shift by 32 gives 0), then their top 16.
+    let win = _mm256_or_si256(
+        _mm256_sllv_epi32(hi, sh),
+        _mm256_srlv_epi32(lo, _mm256_sub_epi32(_mm256_set1_epi32(32), sh)),
+    );
+    _mm256_srli_epi32::<16>(win)
+}
+
+/// The tile's 256 states in slot order (`src[slot]` is the slot's position).
+#[inline(always)]
+unsafe fn tile_states(tile: *const u8, rate: Bitrate, src: &[i32; 256], st: &mut [u16; 256]) {
+    let total = rate.tile_bits() as i32;
     let n_words = total as usize / 32;
     let mut w = [0u32; 64 + 2];
     for i in 0..n_words {
@@ -26,18 +69,25 @@ unsafe fn tile_states(tile: *const u8, rate: Bitrate, dst: &[u8; 256], st: &mut 
     }
     w[n_words] = w[0];
     w[n_words + 1] = w[1];
-    let (ka, half) = (rate.floor(), rate.is_half() as u32);
-    let mut end = 0u32;
-    for p in 0..256 {
-        end += ka + (half & p as u32);
-        let start = if end >= 16 {
-            end - 16
-        } else {
-            end + total - 16
-        };
-        let i = (start >> 5) as usize;
-        let pair = ((w[i] as u64) << 32) | w[i + 1] as u64;
-        st[dst[p] as usize] = (pair >> (48 - (start & 31))) as u16;
+    let (ka, half) = (rate.floor() as i32, rate.is_half() as i32);
+    for q in (0..256).step_by(16) {
+        let a = states8(
+            &w,
+            _mm256_loadu_si256(src.as_ptr().add(q).cast()),
+            ka,
+            half,
+            total,
+        );
+        let b = states8(
+            &w,
+            _mm256_loadu_si256(src.as_ptr().add(q + 8).cast()),
+            ka,
+            half,
+            total,
+        );
+        // packus interleaves the 128-bit halves: a0-3 b0-3 a4-7 b4-7, put back in order.
+        let ab = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi32(a, b));
+        _mm256_storeu_si256(st.as_mut_ptr().add(q).cast(), ab);
     }
 }
 
@@ -112,9 +162,9 @@ unsafe fn values<const CB: u8>(x: __m256i) -> [__m256; 2] {
 }
 
 #[inline(always)]
-unsafe fn decode<const CB: u8>(tile: *const u8, rate: Bitrate, dst: &[u8; 256], out: *mut f32) {
+unsafe fn decode<const CB: u8>(tile: *const u8, rate: Bitrate, src: &[i32; 256], out: *mut f32) {
     let mut st = [0u16; 256];
-    tile_states(tile, rate, dst, &mut st);
+    tile_states(tile, rate, src, &mut st);
     for r in 0..16 {
         let x = _mm256_loadu_si256(st.as_ptr().add(16 * r).cast());
         let w = values::<CB>(x);
@@ -125,12 +175,12 @@ unsafe fn decode<const CB: u8>(tile: *const u8, rate: Bitrate, dst: &[u8; 256], 
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn decode_inner<const CB: u8>(tile: *const u8, rate: Bitrate, out: &mut [f32; 256]) {
-    let dst = state_destinations(if CB == MUL1 {
+    let src = state_sources(if CB == MUL1 {
         Order::Unpack
     } else {
         Order::Linear
     });
-    decode::<CB>(tile, rate, dst, out.as_mut_ptr());
+    decode::<CB>(tile, rate, src, out.as_mut_ptr());
 }
 
 /// One tile to f32, row-major. Caller: AVX2, FMA, F16C available; `tile` has
@@ -190,7 +240,7 @@ unsafe fn kernel<const CB: u8>(
     tn1: usize,
     out: *mut f32,
 ) {
-    let dst = state_destinations(if CB == MUL1 {
+    let src = state_sources(if CB == MUL1 {
         Order::Unpack
     } else {
         Order::Linear
@@ -200,7 +250,7 @@ unsafe fn kernel<const CB: u8>(
     for tk in 0..shape.tiles_k() {
         for tn in tn0..tn1 {
             let tile = trellis.add((tk * shape.tiles_n() + tn) * tb);
-            decode::<CB>(tile, shape.rate, dst, w.as_mut_ptr());
+            decode::<CB>(tile, shape.rate, src, w.as_mut_ptr());
             let mut m0 = 0;
             while m0 < rows {
                 let xs = x.add(m0 * k + 16 * tk);
