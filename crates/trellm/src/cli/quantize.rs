@@ -110,47 +110,38 @@ pub fn run(a: QuantizeArgs) -> Result<()> {
     };
     let m = a.model.load()?;
     let cols = a.calib_cols.min(m.model.cfg.max_context.max(2));
-    let cal = match (text, token_file) {
+    // The rows, their description for config.json, and what gave them (for a shortfall).
+    let (rows, describe, source) = match (text, token_file) {
         (_, Some(file)) if a.calib_rows > 0 => {
             let t = calibration::token_rows(file, a.calib_rows, cols, m.model.cfg.vocab)?;
-            if t.rows.len() < a.calib_rows && !a.quiet {
-                eprintln!(
-                    "trellm quantize: {} holds {} rows, fewer than --calib-rows {}",
-                    file.display(),
-                    t.rows.len(),
-                    a.calib_rows
-                );
-            }
-            Calibration {
-                rows: t.rows,
-                asked: (a.calib_rows, cols),
-                text: t.describe,
-            }
+            (t.rows, t.describe, file.display().to_string())
         }
         (Some(t), _) => {
             let tok = m.tokenizer()?;
             let ids = tok.encode(&t.text, false)?;
             let bos = if tok.add_bos() { tok.bos_id() } else { None };
             let rows = calibration::rows(&ids, bos, a.calib_rows, cols);
-            if rows.len() < a.calib_rows && !a.quiet {
-                eprintln!(
-                    "trellm quantize: the calibration text gives {} rows of up to {cols} tokens ({} tokens), fewer than --calib-rows {}",
-                    rows.len(),
-                    ids.len(),
-                    a.calib_rows
-                );
-            }
-            Calibration {
-                rows,
-                asked: (a.calib_rows, cols),
-                text: t.describe,
-            }
+            let source = format!("the calibration text ({} tokens)", ids.len());
+            (rows, t.describe, source)
         }
-        _ => Calibration {
-            rows: Vec::new(),
-            asked: (0, 0),
-            text: "none (H = identity)".into(),
-        },
+        _ => (Vec::new(), "none (H = identity)".into(), String::new()),
+    };
+    if rows.len() < a.calib_rows && !a.quiet {
+        eprintln!(
+            "trellm quantize: {source} gives {} rows of up to {cols} tokens, fewer than --calib-rows {}",
+            rows.len(),
+            a.calib_rows
+        );
+    }
+    let asked = if a.calib_rows > 0 {
+        (a.calib_rows, cols)
+    } else {
+        (0, 0)
+    };
+    let cal = Calibration {
+        rows,
+        asked,
+        text: describe,
     };
     quantize(&m, &a.out, &cal, &opts)?;
     Ok(())

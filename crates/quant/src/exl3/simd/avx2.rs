@@ -1,7 +1,7 @@
 //! AVX2 + FMA + F16C tile kernels: the 256 states cut from the stream 8 at a time (gathers of the
-//! two words around each state's window, shifts by lane on 32-bit lanes), then the codebook evaluated one tile row (16 states)
-//! per vector, the tile kept in f32 on the stack and multiplied into up to four activation rows
-//! at a time, accumulating in `out`.
+//! two words around each state's window, shifts by lane on 32-bit lanes), then the codebook
+//! evaluated one tile row (16 states) per vector, the tile kept in f32 on the stack and
+//! multiplied into up to four activation rows at a time, accumulating in `out`.
 #![allow(clippy::needless_range_loop)]
 
 use core::arch::x86_64::*;
