@@ -401,7 +401,8 @@ pub enum Role {
     PostFfnNorm,
 }
 
-fn gguf_name(role: Role, l: usize) -> String {
+/// GGUF names (without `.weight`/`.bias`), as llama.cpp's converter writes them.
+pub fn gguf_name(role: Role, l: usize) -> String {
     let s = match role {
         Role::AttnNorm => "attn_norm",
         Role::Q => "attn_q",

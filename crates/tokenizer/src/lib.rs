@@ -237,13 +237,16 @@ impl Tokenizer {
             .render_json(messages, tools, add_generation_prompt, extra)
     }
 
-    /// This tokenizer as a Hugging Face `tokenizer.json`, where the `tokenizers` crate runs it
-    /// (a GGUF's BPE vocabulary, say, exported into a model folder); `None` for SentencePiece
-    /// vocabularies, which trellm runs with its own twin.
-    pub fn to_hf_json(&self) -> Option<String> {
+    /// This tokenizer as a Hugging Face `tokenizer.json` (a GGUF's vocabulary, say, exported
+    /// into a model folder): the `tokenizers` pipeline as it is, or for a SentencePiece
+    /// vocabulary a BPE pipeline that tokenizes as trellm's own twin does (see `spm`).
+    pub fn to_hf_json(&self) -> Result<String, TokenizerError> {
         match &self.backend {
-            Backend::Hf { tok, .. } => tok.to_string(false).ok(),
-            Backend::Spm(_) => None,
+            Backend::Hf { tok, .. } => tok.to_string(false).map_err(backend_err),
+            Backend::Spm(spm) => spm
+                .to_hf(self.bos, self.add_bos)?
+                .to_string(false)
+                .map_err(backend_err),
         }
     }
 

@@ -373,3 +373,113 @@ impl Spm {
         Ok(out)
     }
 }
+
+impl Spm {
+    /// This vocabulary as a `tokenizers` pipeline that tokenizes as [`Spm::encode`] does: BPE
+    /// over characters with byte fallback, one merge for every way a piece splits into two
+    /// pieces, ranked by the merged piece's score (llama.cpp merges the best-scored pair first,
+    /// the leftmost of equals; `tokenizers` the lowest rank, the leftmost of equals);
+    /// control, unknown and user-defined pieces as added tokens (cut out of the text first);
+    /// spaces to `▁` (with a leading `▁` per fragment where `add_space_prefix`). This is how
+    /// transformers converts SentencePiece BPE models such as Gemma's.
+    pub(crate) fn to_hf(
+        &self,
+        bos: Option<u32>,
+        add_bos: bool,
+    ) -> Result<tokenizers::Tokenizer, TokenizerError> {
+        use tokenizers::decoders::byte_fallback::ByteFallback;
+        use tokenizers::decoders::fuse::Fuse;
+        use tokenizers::decoders::sequence::Sequence as DecoderSequence;
+        use tokenizers::decoders::strip::Strip;
+        use tokenizers::decoders::DecoderWrapper;
+        use tokenizers::models::bpe::BPE;
+        use tokenizers::normalizers::{NormalizerWrapper, Prepend, Replace, Sequence};
+        use tokenizers::processors::template::TemplateProcessing;
+        use tokenizers::AddedToken;
+
+        let err = |e: tokenizers::Error| TokenizerError::Backend(e.to_string());
+        if self.lookup.len() != self.pieces.len() {
+            return Err(TokenizerError::Unsupported(format!(
+                "{} of the {} SentencePiece pieces are duplicates, which tokenizer.json cannot hold",
+                self.pieces.len() - self.lookup.len(),
+                self.pieces.len()
+            )));
+        }
+        // A character outside the vocabulary becomes its bytes' pieces in both; without them
+        // llama.cpp keeps it as a symbol no merge crosses, which `tokenizers` cannot do.
+        if let Some(b) = (0..=255u8).find(|b| !self.lookup.contains_key(&format!("<0x{b:02X}>"))) {
+            return Err(TokenizerError::Unsupported(format!(
+                "the SentencePiece vocabulary has no byte piece <0x{b:02X}>, so tokenizer.json \
+                 cannot split characters outside it as llama.cpp does"
+            )));
+        }
+        // (score of the merged piece, merged id, left id, right id), best first.
+        let mut ranked: Vec<(f32, u32, u32, u32)> = Vec::new();
+        for (id, piece) in self.pieces.iter().enumerate() {
+            for (i, _) in piece.char_indices().skip(1) {
+                let (l, r) = piece.split_at(i);
+                if let (Some(&a), Some(&b)) = (self.lookup.get(l), self.lookup.get(r)) {
+                    ranked.push((self.scores[id], id as u32, a, b));
+                }
+            }
+        }
+        ranked.sort_by(|x, y| y.0.total_cmp(&x.0).then(x.1.cmp(&y.1)).then(x.2.cmp(&y.2)));
+        let piece = |id: u32| self.pieces[id as usize].clone();
+        let merges: Vec<(String, String)> = ranked
+            .iter()
+            .map(|&(_, _, a, b)| (piece(a), piece(b)))
+            .collect();
+        let vocab: tokenizers::models::bpe::Vocab = self
+            .pieces
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (p.clone(), i as u32))
+            .collect();
+        let mut builder = BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            .byte_fallback(true)
+            .fuse_unk(true);
+        if let Some(u) = self.unk {
+            builder = builder.unk_token(piece(u));
+        }
+        let bpe = builder.build().map_err(err)?;
+        let mut tok = tokenizers::Tokenizer::new(bpe);
+        let replace: NormalizerWrapper = Replace::new(" ", SPACE).map_err(err)?.into();
+        tok.with_normalizer(Some(if self.add_space_prefix {
+            Sequence::new(vec![Prepend::new(SPACE.into()).into(), replace]).into()
+        } else {
+            replace
+        }))
+        .map_err(err)?;
+        let mut decoders: Vec<DecoderWrapper> = vec![
+            Replace::new(SPACE, " ").map_err(err)?.into(),
+            ByteFallback::new().into(),
+            Fuse::new().into(),
+        ];
+        if self.add_space_prefix {
+            decoders.push(Strip::new(' ', 1, 0).into());
+        }
+        tok.with_decoder(Some(DecoderSequence::new(decoders)));
+        if let (true, Some(b)) = (add_bos, bos) {
+            let name = piece(b);
+            let template = TemplateProcessing::builder()
+                .try_single(format!("{name} $A"))
+                .and_then(|t| t.try_pair(format!("{name} $A {name}:1 $B:1")))
+                .map_err(TokenizerError::Backend)?
+                .special_tokens(vec![(name, b)])
+                .build()
+                .map_err(|e| TokenizerError::Backend(e.to_string()))?;
+            tok.with_post_processor(Some(template));
+        }
+        let added = |special: bool| -> Vec<AddedToken> {
+            self.specials
+                .iter()
+                .filter(|&&id| (self.kinds[id as usize] != Kind::UserDefined) == special)
+                .map(|&id| AddedToken::from(piece(id), special).normalized(false))
+                .collect()
+        };
+        tok.add_special_tokens(added(true)).map_err(err)?;
+        tok.add_tokens(added(false)).map_err(err)?;
+        Ok(tok)
+    }
+}

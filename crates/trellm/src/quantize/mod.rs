@@ -12,7 +12,7 @@
 
 pub mod calibration;
 pub mod folder;
-mod gguf_source;
+pub mod gguf_source;
 
 use std::collections::HashMap;
 use std::io::IsTerminal;
@@ -333,7 +333,7 @@ fn check_source(m: &LoadedModel) -> Result<()> {
     }
     if !(m.path.is_dir() && m.path.join("config.json").is_file()) {
         bail!(
-            "{}: trellm quantize reads Hugging Face folders (config.json + safetensors) and llama GGUFs",
+            "{}: trellm quantize reads Hugging Face folders (config.json + safetensors) and llama / gemma3 GGUFs",
             m.path.display()
         );
     }
@@ -400,7 +400,7 @@ fn origin(path: &Path) -> String {
     }
 }
 
-/// Quantizes `m` (a Hugging Face folder, or a llama GGUF dequantized exactly into one in
+/// Quantizes `m` (a Hugging Face folder, or a llama / gemma3 GGUF dequantized exactly into one in
 /// `OUT/.source/` first) into `out`, or resumes an interrupted run there.
 pub fn quantize(m: &LoadedModel, out: &Path, cal: &Calibration, opts: &Options) -> Result<Summary> {
     let origin = origin(&m.path);
