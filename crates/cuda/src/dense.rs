@@ -243,18 +243,16 @@ pub struct DenseWeights {
 }
 
 impl DenseWeights {
-    /// Every EXL3 layer, with whether it is the output head.
-    fn exl3_layers(&self) -> impl Iterator<Item = (&Exl3Linear, bool)> {
+    /// Every stack of EXL3 layers run together (q, k, v; gate, up; or one), with whether it is
+    /// the output head.
+    fn exl3_groups(&self) -> impl Iterator<Item = (&[Exl3Linear], bool)> {
         let body = self.layers.iter().flat_map(|l| {
             [&l.qkv, &l.o, &l.gate_up, &l.down]
                 .into_iter()
-                .flat_map(|p| p.w.exl3().iter().map(|e| (e, false)))
+                .map(|p| (p.w.exl3(), false))
         });
-        let head = self
-            .lm_head
-            .iter()
-            .flat_map(|h| h.exl3().iter().map(|e| (e, true)));
-        body.chain(head)
+        let head = self.lm_head.iter().map(|h| (h.exl3(), true));
+        body.chain(head).filter(|(parts, _)| !parts.is_empty())
     }
 
     /// Bytes of the matrices one decode step reads (every projection and the output head).
@@ -903,14 +901,14 @@ impl DenseModel {
             .map(|o| o.qkv.rope.as_ref().map(|r| r.inv_freq(1)))
             .collect();
         // The head runs on at most a pass's wanted rows, the rest on up to a prefill chunk.
-        let exl3_layers: Vec<(&Exl3Linear, usize)> = w
-            .exl3_layers()
-            .map(|(l, head)| (l, if head { MAX_SEQS.min(t) } else { t }))
+        let exl3_groups: Vec<(&[Exl3Linear], usize)> = w
+            .exl3_groups()
+            .map(|(parts, head)| (parts, if head { MAX_SEQS.min(t) } else { t }))
             .collect();
-        let exl3 = if exl3_layers.is_empty() {
+        let exl3 = if exl3_groups.is_empty() {
             None
         } else {
-            let mut s = Exl3Scratch::new(&gpu, &exl3_layers)?;
+            let mut s = Exl3Scratch::for_groups(&gpu, &exl3_groups)?;
             s.int8 = opts.exl3_int8;
             Some(s)
         };
@@ -1458,21 +1456,45 @@ impl DenseModel {
                     bf16: true,
                     ld: k,
                 };
-                let mut off = 0;
-                for p in parts {
-                    ensure!(
-                        p.cols == k && off + p.rows <= n,
-                        "an EXL3 part of {}x{} in {n}x{k}",
-                        p.rows,
-                        p.cols
-                    );
-                    p.forward(&self.gpu, s, m, rows, y + (4 * off) as u64, n)?;
-                    off += p.rows;
-                }
-                ensure!(off == n, "EXL3 parts of {off} outputs for {n}");
-                Ok(())
+                let off: usize = parts.iter().map(|p| p.rows).sum();
+                ensure!(
+                    off == n && parts.iter().all(|p| p.cols == k),
+                    "EXL3 parts of {off} outputs for {n}x{k}"
+                );
+                Exl3Linear::forward_parts(&self.gpu, s, parts, m, rows, y, n)
             }
         }
+    }
+
+    /// A gated MLP's EXL3 gate and up with the activation fused into their launch (`act` =
+    /// act(gate) * up, bf16); false where it does not apply (other weights, biases, a regime
+    /// without the fusion), having run nothing.
+    fn gated_exl3(
+        &self,
+        m: usize,
+        xn: u64,
+        lw: &LayerBuffers,
+        ops: &LayerOps,
+        act: u64,
+    ) -> Result<bool> {
+        let DeviceMatrix::Exl3(parts) = &lw.gate_up.w else {
+            return Ok(false);
+        };
+        if !ops.glu.gated || lw.gate_up.b.is_some() {
+            return Ok(false);
+        }
+        let s = self
+            .exl3
+            .as_ref()
+            .context("EXL3 layers without their scratch")?;
+        let h = self.cfg.hidden;
+        let rows = Rows {
+            ptr: xn,
+            bf16: true,
+            ld: h,
+        };
+        let code = act_code(ops.glu.activation);
+        Exl3Linear::forward_gated(&self.gpu, s, parts, m, rows, code, act)
     }
 
     /// `y[m, n] (f32) = x[m, k] (bf16) . W[n, k]^T`: our GEMV for one row, our tensor-core
@@ -1788,7 +1810,7 @@ impl DenseModel {
                         na[3],
                     ],
                 )?;
-            } else {
+            } else if !self.gated_exl3(m, xn, lw, ops, act)? {
                 let gu = p(&b.gu);
                 self.linear(m, xn, lw.gate_up.w.view(g), c.gate_up_rows(), h, gu)?;
                 g.launch(

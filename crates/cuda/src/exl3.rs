@@ -4,8 +4,9 @@
 //! bias as f32), so device memory is about the file's size. [`Exl3Linear::forward`] runs
 //! `y = H(H(x * suh) W_inner) * svh + bias` for `m` rows in the [`Regime`] for `m`:
 //! - up to [`MMA_ROWS`] rows (decode, batches): one launch on tensor cores, both Hadamards inside,
-//!   each tile decoded once in registers into the mma B operand (the codebook's exact fp16
-//!   values), fp16 activations, f32 accumulation;
+//!   each tile decoded once in registers into an mma operand (the codebook's exact fp16 values;
+//!   up to 8 rows the decoded tile is the A operand, one mma a tile), fp16 activations, f32
+//!   accumulation;
 //! - more rows (prefill): the input Hadamard rounded to fp16, `W_inner` decoded to fp16 (exactly:
 //!   every codebook value is an fp16) in bands, a cuBLAS tensor-core GEMM with f32 accumulation,
 //!   then the output Hadamard.
@@ -14,8 +15,12 @@
 //! throughout. [`Regime::Int8`] is the fast path for MUL1's one-row steps (int8 activations,
 //! dp4a), off unless asked for. The exact path ([`Regime::Gemv`]: f32 activations, one row a launch) is the twin
 //! they are tested against; its CPU twin is `trellm_quant::exl3::matmul::matmul_tiles`.
+//!
+//! Layers that share their input run as one launch in the tensor-core and int8 regimes
+//! ([`Exl3Linear::forward_parts`]: q, k, v; gate, up), and a gated MLP's gate and up with the
+//! activation fused into the band's epilogue ([`Exl3Linear::forward_gated`]).
 
-use anyhow::{bail, ensure, Result};
+use anyhow::{bail, ensure, Context, Result};
 use cudarc::cublas::sys as bsys;
 use cudarc::driver::{CudaFunction, CudaSlice};
 
@@ -173,6 +178,16 @@ impl Exl3Kernels {
 /// 3% of each other for the whole layer).
 pub const BLOCKS_PER_SM: usize = 16;
 
+/// Blocks per SM the tensor-core and int8 GEMVs split a layer for at one row (fewer rows a
+/// block: fewer, longer splits). H200, Llama-3.1-8B shape, MUL1 K = 2 / 3 / 4 end to end
+/// (session 9, one binary): 4 / 6 / 8 / 12 / 16 gave decode 274-281 / 279-286 / 273-280 /
+/// 259-265 / 255-261 tok/s; batches of 8 and 32 rows: 6 against 16 gave 1549 / 2600 against
+/// 1477 / 2546 tok/s.
+pub const MMA_BLOCKS_PER_SM: usize = 6;
+
+/// Most blocks per SM a scratch's partial sums allow the tensor-core GEMV to split for.
+pub const MMA_SWEEP_MAX: usize = 32;
+
 /// Tile rows a split takes at least (fewer would make the partial sums' traffic matter).
 const MIN_TILES_PER_SPLIT: usize = 4;
 
@@ -220,25 +235,46 @@ pub struct Exl3Scratch {
     counters: CudaSlice<u32>,
     /// One-row calls of MUL1 layers take the fast path ([`Regime::Int8`]).
     pub int8: bool,
+    /// Blocks per SM the tensor-core and int8 GEMVs split for ([`MMA_BLOCKS_PER_SM`]; at most
+    /// [`MMA_SWEEP_MAX`], which the partial sums are sized for).
+    pub mma_per_sm: usize,
 }
 
 impl Exl3Scratch {
     /// For `layers`, each run on up to its number of rows at once.
     pub fn new(gpu: &Gpu, layers: &[(&Exl3Linear, usize)]) -> Result<Exl3Scratch> {
+        let groups: Vec<(&[Exl3Linear], usize)> = layers
+            .iter()
+            .map(|&(l, rows)| (std::slice::from_ref(l), rows))
+            .collect();
+        Self::for_groups(gpu, &groups)
+    }
+
+    /// For groups of layers run together ([`Exl3Linear::forward_parts`]), each on up to its
+    /// number of rows at once.
+    pub fn for_groups(gpu: &Gpu, groups: &[(&[Exl3Linear], usize)]) -> Result<Exl3Scratch> {
         let (mut xh, mut partial, mut xh16, mut band, mut yg, mut bands) = (1, 1, 1, 1, 1, 1);
-        for &(l, rows) in layers {
-            let (k, n) = (l.shape.k, l.shape.n);
-            xh = xh.max(k);
-            partial = partial.max(l.split(gpu.sm_count, BLOCKS_PER_SM).0 * n);
-            bands = bands.max(n / 128);
-            for mma_rows in 1..=rows.clamp(1, MMA_ROWS) {
-                let splits = mma_split(&l.shape, gpu.sm_count, mma_rows).0;
-                partial = partial.max(splits * mma_rows * n);
+        for &(parts, rows) in groups {
+            let all: Vec<&Exl3Linear> = parts.iter().collect();
+            if let Some(&first) = all.first() {
+                // The parts as one launch: their outputs side by side.
+                let shape = parts_shape(&all);
+                bands = bands.max(shape.n / 128);
+                for mma_rows in 1..=rows.clamp(1, MMA_ROWS) {
+                    let splits = mma_split_for(&shape, gpu.sm_count, mma_rows, MMA_SWEEP_MAX).0;
+                    partial = partial.max(splits * mma_rows * shape.n);
+                }
+                xh = xh.max(first.shape.k);
             }
-            if rows >= GEMM_MIN_ROWS {
-                xh16 = xh16.max(rows * k);
-                band = band.max(k * band_cols(k, n));
-                yg = yg.max(rows * n);
+            for l in parts {
+                let (k, n) = (l.shape.k, l.shape.n);
+                partial = partial.max(l.split(gpu.sm_count, BLOCKS_PER_SM).0 * n);
+                bands = bands.max(n / 128);
+                if rows >= GEMM_MIN_ROWS {
+                    xh16 = xh16.max(rows * k);
+                    band = band.max(k * band_cols(k, n));
+                    yg = yg.max(rows * n);
+                }
             }
         }
         Ok(Exl3Scratch {
@@ -249,6 +285,7 @@ impl Exl3Scratch {
             yg: gpu.alloc(yg)?,
             counters: gpu.alloc(bands)?,
             int8: false,
+            mma_per_sm: MMA_BLOCKS_PER_SM,
         })
     }
 
@@ -278,10 +315,10 @@ impl Rows {
     }
 }
 
-/// Blocks per SM the tensor-core GEMV aims for with `mt` 16-row tiles (more rows: fewer splits,
-/// so the partial sums' traffic stays below the weights').
-fn mma_blocks_per_sm(mt: usize) -> usize {
-    (BLOCKS_PER_SM / mt).max(1)
+/// Blocks per SM the tensor-core GEMV aims for with `mt` 16-row tiles, from `per_sm` for one
+/// (more rows: fewer splits, so the partial sums' traffic stays below the weights').
+fn mma_blocks_per_sm(mt: usize, per_sm: usize) -> usize {
+    (per_sm / mt).max(1)
 }
 
 /// fp16 values of the rotated input a tensor-core GEMV block holds (`XS_HALVES` in exl3.cu).
@@ -291,10 +328,20 @@ const XS_HALVES: usize = 24320;
 /// blocks rotate their own inputs), each split's rows of inputs fitting the block's
 /// [`XS_HALVES`] (with the 8 of padding a row). Returns (splits, tile rows per split).
 pub fn mma_split(shape: &Exl3Shape, sm_count: usize, m: usize) -> (usize, usize) {
+    mma_split_for(shape, sm_count, m, MMA_BLOCKS_PER_SM)
+}
+
+/// [`mma_split`] aiming for `per_sm` blocks per SM at one row (`gpu_exl3::timing` sweeps it).
+pub fn mma_split_for(
+    shape: &Exl3Shape,
+    sm_count: usize,
+    m: usize,
+    per_sm: usize,
+) -> (usize, usize) {
     let mt = m.div_ceil(16).next_power_of_two();
     let tiles_k = shape.tiles_k().max(8);
     let bands = (shape.n / 128).max(1);
-    let want = (sm_count * mma_blocks_per_sm(mt)).div_ceil(bands);
+    let want = (sm_count * mma_blocks_per_sm(mt, per_sm)).div_ceil(bands);
     let splits = want.clamp(1, (tiles_k / 8).max(1));
     let per_max = ((XS_HALVES / m.max(1) - 8) / 16) / 8 * 8;
     let per = tiles_k
@@ -471,12 +518,98 @@ impl Exl3Linear {
         y: u64,
         ldy: usize,
     ) -> Result<()> {
-        let regime = if s.int8 && m == 1 && self.shape.codebook == Codebook::Mul1 {
+        Self::forward_parts(gpu, s, std::slice::from_ref(self), m, x, y, ldy)
+    }
+
+    /// [`Self::forward`] for layers that take the same input (q, k, v; gate, up), their outputs
+    /// side by side in `y` (each part's `rows`). Parts of one module run as one launch in the
+    /// tensor-core and int8 regimes (one ramp and tail instead of one a part).
+    pub fn forward_parts(
+        gpu: &Gpu,
+        s: &Exl3Scratch,
+        parts: &[Exl3Linear],
+        m: usize,
+        x: Rows,
+        y: u64,
+        ldy: usize,
+    ) -> Result<()> {
+        Self::run_parts(gpu, s, parts, m, x, y, ldy, None).map(|_| ())
+    }
+
+    /// A gated MLP's gate and up layers (`parts`, equally wide) with the activation fused: writes
+    /// `out[r][c] = bf16(act(gate) * up)` (`act` a prelude activation code, row stride the
+    /// layers' `rows`) in one launch and returns true where the regime for `m` rows allows it;
+    /// returns false, having run nothing, where it does not (the caller runs the layers and the
+    /// activation apart).
+    pub fn forward_gated(
+        gpu: &Gpu,
+        s: &Exl3Scratch,
+        parts: &[Exl3Linear],
+        m: usize,
+        x: Rows,
+        act: i32,
+        out: u64,
+    ) -> Result<bool> {
+        let pair = parts.len() == 2
+            && parts[0].shape.n == parts[1].shape.n
+            && parts[0].rows == parts[1].rows;
+        if !pair {
+            return Ok(false);
+        }
+        Self::run_parts(gpu, s, parts, m, x, 0, 0, Some((act, out)))
+    }
+
+    /// [`Self::forward_parts`], with a fused activation where `act` is given; returns whether the
+    /// layers ran (always without `act`).
+    #[allow(clippy::too_many_arguments)]
+    fn run_parts(
+        gpu: &Gpu,
+        s: &Exl3Scratch,
+        parts: &[Exl3Linear],
+        m: usize,
+        x: Rows,
+        y: u64,
+        ldy: usize,
+        act: Option<(i32, u64)>,
+    ) -> Result<bool> {
+        let first = parts.first().context("no EXL3 layers")?;
+        let regime = if s.int8 && m == 1 && first.shape.codebook == Codebook::Mul1 {
             Regime::Int8
         } else {
             Regime::for_rows(m)
         };
-        self.forward_in(gpu, s, regime, m, x, y, ldy)
+        let fused = parts.len() <= MAX_PARTS
+            && parts.iter().all(|p| {
+                p.shape.k == first.shape.k
+                    && p.cols == first.cols
+                    && p.shape.codebook == first.shape.codebook
+                    && p.shape.rate == first.shape.rate
+            });
+        let all: Vec<&Exl3Linear> = parts.iter().collect();
+        match regime {
+            Regime::Mma if fused => {
+                let mut r = 0;
+                while r < m {
+                    let g = (m - r).min(MMA_ROWS);
+                    // Row r's outputs: y's, or the activation's (bf16, `rows` a row).
+                    let act = act.map(|(a, out)| (a, out + (2 * r * first.rows) as u64));
+                    let y = y + (4 * r * ldy) as u64;
+                    mma_rows(gpu, s, &all, g, x.offset(r), y, ldy, act)?;
+                    r += g;
+                }
+                Ok(true)
+            }
+            Regime::Int8 if fused => int8_row(gpu, s, &all, x, y, ldy, act).map(|_| true),
+            _ if act.is_some() => Ok(false),
+            _ => {
+                let mut off = 0;
+                for p in parts {
+                    p.forward_in(gpu, s, regime, m, x, y + (4 * off) as u64, ldy)?;
+                    off += p.rows;
+                }
+                Ok(true)
+            }
+        }
     }
 
     /// [`Self::forward`] in a given regime (the tests and the crossover's timing).
@@ -501,14 +634,23 @@ impl Exl3Linear {
                 let mut r = 0;
                 while r < m {
                     let g = (m - r).min(MMA_ROWS);
-                    self.mma_rows(gpu, s, g, x.offset(r), y + (4 * r * ldy) as u64, ldy)?;
+                    let y = y + (4 * r * ldy) as u64;
+                    mma_rows(gpu, s, &[self], g, x.offset(r), y, ldy, None)?;
                     r += g;
                 }
                 return Ok(());
             }
             Regime::Int8 => {
                 for r in 0..m {
-                    self.int8_row(gpu, s, x.offset(r), y + (4 * r * ldy) as u64)?;
+                    int8_row(
+                        gpu,
+                        s,
+                        &[self],
+                        x.offset(r),
+                        y + (4 * r * ldy) as u64,
+                        ldy,
+                        None,
+                    )?;
                 }
                 return Ok(());
             }
@@ -543,95 +685,6 @@ impl Exl3Linear {
         self.launch_input(gpu, m, x, xh, false)?;
         self.launch_inner_rows(gpu, m, xh, partial, splits, per)?;
         self.launch_output(gpu, m, partial, splits, y, ldy)
-    }
-
-    /// The fast path for one row: one launch (`exl3_q8`), split as the tensor-core GEMV's.
-    fn int8_row(&self, gpu: &Gpu, s: &Exl3Scratch, x: Rows, y: u64) -> Result<()> {
-        ensure!(
-            self.shape.codebook == Codebook::Mul1,
-            "the int8 trellis GEMV is MUL1's, not {:?}'s",
-            self.shape.codebook
-        );
-        let n = self.shape.n;
-        let (splits, per) = mma_split(&self.shape, gpu.sm_count, 1);
-        ensure!(
-            s.partial.len() >= splits * n && s.counters.len() >= n / 128 && 16 * per <= XS_HALVES,
-            "EXL3 scratch too small for a row of {}x{n}",
-            self.shape.k
-        );
-        gpu.launch(
-            &self.k.q8,
-            ((n / 128) as u32, splits as u32, 1),
-            256,
-            &[
-                Arg::Ptr(gpu.ptr(&self.trellis)),
-                Arg::Ptr(x.ptr),
-                Arg::I32(x.bf16 as i32),
-                Arg::I32(self.cols as i32),
-                Arg::Ptr(gpu.ptr(&self.suh)),
-                Arg::Ptr(gpu.ptr(&self.svh)),
-                Arg::Ptr(self.bias.as_ref().map_or(0, |b| gpu.ptr(b))),
-                Arg::Ptr(gpu.ptr(&s.partial)),
-                Arg::Ptr(gpu.ptr(&s.counters)),
-                Arg::Ptr(y),
-                Arg::I32(self.rows as i32),
-                Arg::I32(self.shape.tiles_k() as i32),
-                Arg::I32(self.shape.tiles_n() as i32),
-                Arg::I32(per as i32),
-            ],
-        )
-    }
-
-    /// The tensor-core GEMV for `m <= MMA_ROWS` rows: one launch, both Hadamards included.
-    fn mma_rows(
-        &self,
-        gpu: &Gpu,
-        s: &Exl3Scratch,
-        m: usize,
-        x: Rows,
-        y: u64,
-        ldy: usize,
-    ) -> Result<()> {
-        let n = self.shape.n;
-        let f = match m {
-            1..=8 => &self.k.mma[0],
-            9..=16 => &self.k.mma[1],
-            17..=32 => &self.k.mma[2],
-            33..=MMA_ROWS => &self.k.mma[3],
-            _ => bail!("the tensor-core GEMV takes 1..={MMA_ROWS} rows, not {m}"),
-        };
-        let (splits, per) = mma_split(&self.shape, gpu.sm_count, m);
-        ensure!(
-            s.partial.len() >= splits * m * n
-                && s.counters.len() >= n / 128
-                && m * (16 * per + 8) <= XS_HALVES,
-            "EXL3 scratch too small for {m} rows of {}x{n}",
-            self.shape.k
-        );
-        gpu.launch(
-            f,
-            ((n / 128) as u32, splits as u32, 1),
-            256,
-            &[
-                Arg::Ptr(gpu.ptr(&self.trellis)),
-                Arg::Ptr(x.ptr),
-                Arg::I32(x.bf16 as i32),
-                Arg::I32(x.ld as i32),
-                Arg::I32(self.cols as i32),
-                Arg::Ptr(gpu.ptr(&self.suh)),
-                Arg::Ptr(gpu.ptr(&self.svh)),
-                Arg::Ptr(self.bias.as_ref().map_or(0, |b| gpu.ptr(b))),
-                Arg::Ptr(gpu.ptr(&s.partial)),
-                Arg::Ptr(gpu.ptr(&s.counters)),
-                Arg::Ptr(y),
-                Arg::I32(ldy as i32),
-                Arg::I32(self.rows as i32),
-                Arg::I32(self.shape.tiles_k() as i32),
-                Arg::I32(self.shape.tiles_n() as i32),
-                Arg::I32(per as i32),
-                Arg::I32(m as i32),
-            ],
-        )
     }
 
     /// The GEMM path: fp16 input Hadamard, `W_inner` decoded band by band into fp16 and multiplied
@@ -806,6 +859,141 @@ impl Exl3Linear {
         gpu.sync()?;
         Ok((gpu.stream.clone_dtoh(&w)?, gpu.stream.clone_dtoh(&h)?))
     }
+}
+
+/// Most layers one launch takes (`PART_PARAMS` in exl3.cu).
+const MAX_PARTS: usize = 3;
+
+/// The parts' launch arguments (`PART_PARAMS`): pointers, used outputs and bands of up to
+/// [`MAX_PARTS`] layers (absent ones null, with no bands), the fused activation (code and bf16
+/// output, or -1), and the bands in all.
+fn part_args(
+    gpu: &Gpu,
+    parts: &[&Exl3Linear],
+    act: Option<(i32, u64)>,
+) -> Result<(Vec<Arg>, usize)> {
+    ensure!(
+        (1..=MAX_PARTS).contains(&parts.len()),
+        "{} EXL3 layers in one launch",
+        parts.len()
+    );
+    let get = |i: usize| parts.get(i).copied();
+    let mut a = Vec::with_capacity(17);
+    for i in 0..MAX_PARTS {
+        a.push(Arg::Ptr(get(i).map_or(0, |l| gpu.ptr(&l.trellis))));
+    }
+    for i in 0..MAX_PARTS {
+        a.push(Arg::Ptr(get(i).map_or(0, |l| gpu.ptr(&l.suh))));
+    }
+    for i in 0..MAX_PARTS {
+        a.push(Arg::Ptr(get(i).map_or(0, |l| gpu.ptr(&l.svh))));
+    }
+    for i in 0..MAX_PARTS {
+        let bias = get(i).and_then(|l| l.bias.as_ref());
+        a.push(Arg::Ptr(bias.map_or(0, |b| gpu.ptr(b))));
+    }
+    for i in 0..MAX_PARTS {
+        a.push(Arg::I32(get(i).map_or(0, |l| l.rows) as i32));
+    }
+    let bands = |i: usize| get(i).map_or(0, |l| l.shape.n / 128);
+    a.push(Arg::I32(bands(0) as i32));
+    a.push(Arg::I32(bands(1) as i32));
+    a.push(Arg::I32(act.map_or(-1, |(code, _)| code)));
+    a.push(Arg::Ptr(act.map_or(0, |(_, out)| out)));
+    Ok((a, (0..MAX_PARTS).map(bands).sum()))
+}
+
+/// The shape the parts make side by side (`n` their outputs in all).
+fn parts_shape(parts: &[&Exl3Linear]) -> Exl3Shape {
+    Exl3Shape {
+        n: parts.iter().map(|l| l.shape.n).sum(),
+        ..parts[0].shape
+    }
+}
+
+/// The fast path for one row: one launch (`exl3_q8`) for all `parts`, split as the tensor-core
+/// GEMV's.
+fn int8_row(
+    gpu: &Gpu,
+    s: &Exl3Scratch,
+    parts: &[&Exl3Linear],
+    x: Rows,
+    y: u64,
+    ldy: usize,
+    act: Option<(i32, u64)>,
+) -> Result<()> {
+    let l = parts[0];
+    ensure!(
+        l.shape.codebook == Codebook::Mul1,
+        "the int8 trellis GEMV is MUL1's, not {:?}'s",
+        l.shape.codebook
+    );
+    launch_rows(gpu, s, &l.k.q8, parts, 1, x, y, ldy, act)
+}
+
+/// The tensor-core GEMV for `m <= MMA_ROWS` rows of all `parts`: one launch, both Hadamards
+/// included.
+#[allow(clippy::too_many_arguments)]
+fn mma_rows(
+    gpu: &Gpu,
+    s: &Exl3Scratch,
+    parts: &[&Exl3Linear],
+    m: usize,
+    x: Rows,
+    y: u64,
+    ldy: usize,
+    act: Option<(i32, u64)>,
+) -> Result<()> {
+    let k = &parts[0].k;
+    let f = match m {
+        1..=8 => &k.mma[0],
+        9..=16 => &k.mma[1],
+        17..=32 => &k.mma[2],
+        33..=MMA_ROWS => &k.mma[3],
+        _ => bail!("the tensor-core GEMV takes 1..={MMA_ROWS} rows, not {m}"),
+    };
+    launch_rows(gpu, s, f, parts, m, x, y, ldy, act)
+}
+
+/// Launches `f` (a tensor-core or int8 GEMV: `PART_PARAMS` and the rows' arguments) on `m` rows
+/// of `parts`, split for the scratch's blocks per SM.
+#[allow(clippy::too_many_arguments)]
+fn launch_rows(
+    gpu: &Gpu,
+    s: &Exl3Scratch,
+    f: &CudaFunction,
+    parts: &[&Exl3Linear],
+    m: usize,
+    x: Rows,
+    y: u64,
+    ldy: usize,
+    act: Option<(i32, u64)>,
+) -> Result<()> {
+    let shape = parts_shape(parts);
+    let n = shape.n;
+    let (splits, per) = mma_split_for(&shape, gpu.sm_count, m, s.mma_per_sm);
+    ensure!(
+        s.partial.len() >= splits * m * n
+            && s.counters.len() >= n / 128
+            && m * (16 * per + 8) <= XS_HALVES,
+        "EXL3 scratch too small for {m} rows of {}x{n}",
+        shape.k
+    );
+    let (mut args, bands) = part_args(gpu, parts, act)?;
+    args.extend([
+        Arg::Ptr(x.ptr),
+        Arg::I32(x.bf16 as i32),
+        Arg::I32(x.ld as i32),
+        Arg::I32(parts[0].cols as i32),
+        Arg::Ptr(gpu.ptr(&s.partial)),
+        Arg::Ptr(gpu.ptr(&s.counters)),
+        Arg::Ptr(y),
+        Arg::I32(ldy as i32),
+        Arg::I32(shape.tiles_k() as i32),
+        Arg::I32(per as i32),
+        Arg::I32(m as i32),
+    ]);
+    gpu.launch(f, (bands as u32, splits as u32, 1), 256, &args)
 }
 
 fn check_dims(shape: &Exl3Shape, rows: usize, cols: usize) -> Result<()> {

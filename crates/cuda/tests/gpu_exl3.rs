@@ -10,7 +10,7 @@ use common::gpu;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use trellm_cuda::exl3::{Exl3Kernels, Exl3Linear, Exl3Scratch, Regime, Rows, GEMM_MIN_ROWS};
+use trellm_cuda::exl3::{Exl3Linear, Exl3Scratch, Regime, Rows, GEMM_MIN_ROWS};
 use trellm_cuda::{bench, Gpu};
 use trellm_model::weights::{Linear, LinearWeight, TensorSource, Weights};
 use trellm_model::ModelConfig;
@@ -478,6 +478,156 @@ fn row_regimes_match_cpu() {
     assert_none_failed(failures);
 }
 
+/// The regimes a fused launch runs in for `cb` and the row counts each is checked at: the
+/// tensor-core GEMV across its instantiations, and MUL1's int8 path (one row).
+fn fused_cases(cb: Codebook) -> Vec<(Regime, &'static [usize])> {
+    let mut cases: Vec<(Regime, &'static [usize])> = vec![(Regime::Mma, &[1, 5, 7, 16, 33, 64])];
+    if cb == Codebook::Mul1 {
+        cases.push((Regime::Int8, &[1]));
+    }
+    cases
+}
+
+/// Layers that share their input (q, k, v; gate, up) as one launch ([`Exl3Linear::forward_parts`]):
+/// three parts of different widths, one with padded outputs, each part's outputs side by side
+/// against the CPU matmul of that part alone, through the tensor-core GEMV (1..64 rows) and the
+/// int8 path (one row, MUL1), with bf16 and f32 inputs.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on the GPU machine"]
+fn fused_parts_match_cpu() {
+    let gpu = gpu();
+    let mut failures: Vec<String> = Vec::new();
+    for (c, &(cb, rate)) in [
+        (Codebook::Mul1, Bitrate::int(3)),
+        (Codebook::Inst3, Bitrate::half(2)),
+        (Codebook::Mul1, Bitrate::int(4)),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let (k, cols) = (640, 576);
+        let hosts: Vec<Host> = [(1024, 1000), (256, 256), (384, 300)]
+            .iter()
+            .enumerate()
+            .map(|(i, &(n, rows))| host(k, n, cols, rows, cb, rate, 300 + 10 * c as u64 + i as u64))
+            .collect();
+        let parts: Vec<Exl3Linear> = hosts.iter().map(|h| h.upload(&gpu)).collect();
+        let width: usize = hosts.iter().map(|h| h.rows).sum();
+        for (regime, ms) in fused_cases(cb) {
+            for (j, &m) in ms.iter().enumerate() {
+                let x = inputs(&hosts[0], m, (40 * c + j) as u64);
+                let bf16 = j % 2 == 0;
+                let xd: Vec<u16> = x
+                    .iter()
+                    .map(|&v| half::bf16::from_f32(v).to_bits())
+                    .collect();
+                let (xb, xf) = (gpu.upload(&xd).unwrap(), gpu.upload(&x).unwrap());
+                let rows = Rows {
+                    ptr: if bf16 { gpu.ptr(&xb) } else { gpu.ptr(&xf) },
+                    bf16,
+                    ld: cols,
+                };
+                let y = gpu.alloc::<f32>(m * width).unwrap();
+                let mut s = Exl3Scratch::for_groups(&gpu, &[(&parts[..], 64)]).unwrap();
+                s.int8 = regime == Regime::Int8;
+                Exl3Linear::forward_parts(&gpu, &s, &parts, m, rows, gpu.ptr(&y), width).unwrap();
+                gpu.sync().unwrap();
+                let all = gpu.stream.clone_dtoh(&y).unwrap();
+                let mut off = 0;
+                for (i, h) in hosts.iter().enumerate() {
+                    let want = cpu_rows(h, &x, m);
+                    let got: Vec<f32> = (0..m)
+                        .flat_map(|r| all[r * width + off..][..h.rows].to_vec())
+                        .collect();
+                    let (rel, rms) = if regime == Regime::Int8 {
+                        (2e-2, 0.1)
+                    } else {
+                        (1e-3, 1e-2)
+                    };
+                    let what = format!("{} part {i} of 3, m={m} {regime:?} fused", label(h));
+                    if let Err(e) = check_within(&got, &want, rel, rms, &what) {
+                        failures.push(e);
+                    }
+                    off += h.rows;
+                }
+            }
+        }
+    }
+    assert_none_failed(failures);
+}
+
+/// A gated MLP's gate and up as one launch with the activation fused
+/// ([`Exl3Linear::forward_gated`]): bf16(silu(gate) * up) against the CPU matmuls of both layers
+/// (padded outputs, biases), through the tensor-core GEMV (1..64 rows) and the int8 path (one row).
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on the GPU machine"]
+fn fused_gate_up_activation_matches_cpu() {
+    let gpu = gpu();
+    let mut failures: Vec<String> = Vec::new();
+    for (c, &(cb, rate)) in [
+        (Codebook::Mul1, Bitrate::int(3)),
+        (Codebook::Mcg, Bitrate::int(2)),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let (k, n, cols, rows) = (640, 1024, 576, 1000);
+        let hosts: Vec<Host> = (0..2)
+            .map(|i| host(k, n, cols, rows, cb, rate, 500 + 10 * c as u64 + i))
+            .collect();
+        let parts: Vec<Exl3Linear> = hosts.iter().map(|h| h.upload(&gpu)).collect();
+        for (regime, ms) in fused_cases(cb) {
+            for (j, &m) in ms.iter().enumerate() {
+                let x = inputs(&hosts[0], m, (70 * c + j) as u64);
+                let xd: Vec<u16> = x
+                    .iter()
+                    .map(|&v| half::bf16::from_f32(v).to_bits())
+                    .collect();
+                let xb = gpu.upload(&xd).unwrap();
+                let rows_in = Rows {
+                    ptr: gpu.ptr(&xb),
+                    bf16: true,
+                    ld: cols,
+                };
+                let out = gpu.alloc::<u16>(m * rows).unwrap();
+                let mut s = Exl3Scratch::for_groups(&gpu, &[(&parts[..], 64)]).unwrap();
+                s.int8 = regime == Regime::Int8;
+                let ran = Exl3Linear::forward_gated(&gpu, &s, &parts, m, rows_in, 0, gpu.ptr(&out))
+                    .unwrap();
+                assert!(
+                    ran,
+                    "{cb:?} m={m} {regime:?}: the fused activation did not run"
+                );
+                gpu.sync().unwrap();
+                let got: Vec<f32> = gpu
+                    .stream
+                    .clone_dtoh(&out)
+                    .unwrap()
+                    .iter()
+                    .map(|&b| half::bf16::from_bits(b).to_f32())
+                    .collect();
+                let (g, u) = (cpu_rows(&hosts[0], &x, m), cpu_rows(&hosts[1], &x, m));
+                let want: Vec<f32> = g
+                    .iter()
+                    .zip(&u)
+                    .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
+                    .collect();
+                // bf16 output: 8 bits, so about 2e-3 relative on top of the inputs' rounding.
+                let (rel, rms) = if regime == Regime::Int8 {
+                    (3e-2, 0.15)
+                } else {
+                    (5e-3, 2e-2)
+                };
+                let what = format!("{} m={m} {regime:?} gate/up + silu", label(&hosts[0]));
+                if let Err(e) = check_within(&got, &want, rel, rms, &what) {
+                    failures.push(e);
+                }
+            }
+        }
+    }
+    assert_none_failed(failures);
+}
+
 /// The fast path (MUL1, int8 activations per 128-block, dp4a) against the CPU's exact matmul at
 /// every MUL1 rate, on padded and 8B-sized layers, one and several rows (run one at a time):
 /// within its rounding (relative L2 2e-2: the activations keep about 7 bits).
@@ -622,7 +772,7 @@ fn timing() {
                 let h = host(k, n, k, n, cb, Bitrate::int(kb), 7);
                 let bytes = h.shape.trellis_bytes();
                 let copies = (400usize << 20).div_ceil(bytes).max(2);
-                let mut layers: Vec<Exl3Linear> = (0..copies).map(|_| h.upload(&gpu)).collect();
+                let layers: Vec<Exl3Linear> = (0..copies).map(|_| h.upload(&gpu)).collect();
                 let sweep = cb == Codebook::Mul1;
                 let most = if sweep {
                     *row_counts.last().unwrap()
@@ -677,34 +827,22 @@ fn timing() {
                         ));
                     }
                 }
-                // The tensor-core GEMV's register bound (MMA_MIN_BLOCKS blocks per SM), at K = 3.
+                // The one-row GEMVs' split (blocks per SM aimed for), at K = 3.
                 if sweep && kb == 3 {
-                    for blocks in [3usize, 4, 5, 6] {
-                        let extra = [format!("MMA_MIN_BLOCKS={blocks}")];
-                        for l in layers.iter_mut() {
-                            l.set_kernels(
-                                Exl3Kernels::load_with(&gpu, cb, Bitrate::int(kb), &extra).unwrap(),
-                            );
-                        }
-                        for m in [1usize, 8, 16, 32] {
+                    let mut s = Exl3Scratch::new(&gpu, &[(&layers[0], 1)]).unwrap();
+                    for per_sm in [4usize, 8, 12, 16, 24, 32] {
+                        s.mma_per_sm = per_sm;
+                        for regime in [Regime::Mma, Regime::Int8] {
                             let full = bench::time_ms(&gpu, 2, 7, || {
                                 for l in &layers {
-                                    l.forward_in(
-                                        &gpu,
-                                        &s,
-                                        Regime::Mma,
-                                        m,
-                                        rows_in(),
-                                        gpu.ptr(&y),
-                                        n,
-                                    )?;
+                                    l.forward_in(&gpu, &s, regime, 1, rows_in(), gpu.ptr(&y), n)?;
                                 }
                                 Ok(())
                             })
                             .unwrap()
                                 / copies as f64;
                             emit(format!(
-                                "{{\"codebook\": \"{cb:?}\", \"K\": {kb}, \"k\": {k}, \"n\": {n}, \"rows\": {m}, \"regime\": \"Mma\", \"min_blocks\": {blocks}, \"layer_us\": {:.2}, \"layer_pct_copy\": {:.1}}}",
+                                "{{\"codebook\": \"{cb:?}\", \"K\": {kb}, \"k\": {k}, \"n\": {n}, \"rows\": 1, \"regime\": \"{regime:?}\", \"per_sm\": {per_sm}, \"layer_us\": {:.2}, \"layer_pct_copy\": {:.1}}}",
                                 full * 1e3,
                                 100.0 * gbs(full) * 1e9 / copy,
                             ));
@@ -735,7 +873,12 @@ fn profile_target() {
         ld: h.cols,
     };
     for _ in 0..3 {
-        for (regime, m) in [(Regime::Mma, 1), (Regime::Mma, 16), (Regime::Gemv, 1)] {
+        for (regime, m) in [
+            (Regime::Mma, 1),
+            (Regime::Int8, 1),
+            (Regime::Mma, 16),
+            (Regime::Gemv, 1),
+        ] {
             l.forward_in(&gpu, &s, regime, m, rows, gpu.ptr(&y), h.shape.n)
                 .unwrap();
         }

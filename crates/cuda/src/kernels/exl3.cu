@@ -9,7 +9,9 @@
 // over a k-split), exl3_out (the partial sums in a fixed order, H128, * svh, + bias). The split is
 // summed in order, never with atomics, so runs are bit-identical. Beside them: the tensor-core
 // GEMV for up to 64 rows (exl3_mma*), the GEMM path's decode to fp16 (exl3_dequant), and MUL1's
-// fast path for one row (exl3_q8: int8 activations, dp4a).
+// fast path for one row (exl3_q8: int8 activations, dp4a). The tensor-core and int8 kernels take
+// up to three layers of one input in one launch (PART_PARAMS) and can fuse a gated MLP's
+// activation.
 //
 // Measured on the H200 (scripts/gpu/results/2026-12-01-exl3-run1, -run2): ~34 us for a 4096x14336 layer at
 // K = 2, 3 and 4 and every codebook, so the cost is per weight (integer decode issue), not bytes.
@@ -159,7 +161,8 @@ __device__ __forceinline__ void states8(const u32 (&w)[NLOAD], int shift, u32 (&
 #pragma unroll
     for (int j = 0; j < 8; j++) {
         const int o = pos_off(j), q = o >> 5, r = o & 31;
-        st[j] = __funnelshift_l(a[q + 1], a[q], r) >> 16;
+        // A window inside one word is one shift and a mask (or one byte permute).
+        st[j] = r <= 16 ? (a[q] >> (16 - r)) & 0xffffu : __funnelshift_l(a[q + 1], a[q], r) >> 16;
     }
 }
 
@@ -377,16 +380,21 @@ EXL3_GEMV(exl3_gemv, 1)
 // rows). Each tile's words are loaded coalesced (lane L holds words L and L + 32) and handed to
 // the lanes that decode them by shuffles; tile(cur, tk) then gets this lane's NLOAD words of
 // tile row tk.
-template <class Tile>
+template <class Prologue, class Tile>
 __device__ __forceinline__ void stream_tiles(const u32* __restrict__ tl, long long stride, int tk0,
-                                             int tk1, const LaneWords& g, Tile tile) {
+                                             int tk1, const LaneWords& g, Prologue prologue,
+                                             Tile tile) {
     const int lane = threadIdx.x & 31;
+    // Lanes past the tile's words load one of its words again (never used) instead of
+    // branching around the load.
+    int at[OWN];
+#pragma unroll
+    for (int o = 0; o < OWN; o++) at[o] = 32 * o - (32 * o + lane < TILE_WORDS ? 0 : TILE_WORDS);
     const auto load = [&](const u32* p, u32 (&w)[MMA_DEPTH][OWN]) {
 #pragma unroll
         for (int d = 0; d < MMA_DEPTH; d++)
 #pragma unroll
-            for (int o = 0; o < OWN; o++)
-                w[d][o] = (32 * o + lane < TILE_WORDS) ? __ldg(p + d * stride + 32 * o) : 0u;
+            for (int o = 0; o < OWN; o++) w[d][o] = __ldg(p + d * stride + at[o]);
     };
     const auto step = [&](const u32 (&w)[MMA_DEPTH][OWN], int tk) {
 #pragma unroll
@@ -406,56 +414,143 @@ __device__ __forceinline__ void stream_tiles(const u32* __restrict__ tl, long lo
             tile(cur, tk + d);
         }
     };
+    // The first two steps' words are in flight while the prologue runs (the block's inputs).
     u32 wa[MMA_DEPTH][OWN], wb[MMA_DEPTH][OWN];
     load(tl, wa);
+    load(tl + MMA_DEPTH * stride, wb);
+    prologue();
     for (int tk = tk0; tk < tk1; tk += 2 * MMA_DEPTH) {
-        load(tl + MMA_DEPTH * stride, wb);
         step(wa, tk);
         if (tk + 2 * MMA_DEPTH < tk1) load(tl + 2 * MMA_DEPTH * stride, wa);
         step(wb, tk + MMA_DEPTH);
+        if (tk + 3 * MMA_DEPTH < tk1) load(tl + 3 * MMA_DEPTH * stride, wb);
         tl += 2 * MMA_DEPTH * stride;
     }
 }
 
-// After a block wrote its split's partial[split][r][band's 128 outputs]: the band's last block to
-// finish (a counter per band, reset by that block for the next launch) sums the band's partials in
-// split order (so runs are bit-identical), rotates them back (H128), scales by svh, adds the bias.
+// Up to three layers of one module that take the same input (q, k, v; gate, up) run as one
+// launch: their 128-output bands side by side in blockIdx.x (bands0 of part 0, bands1 of part 1,
+// the rest part 2), their outputs side by side in y (part 1's from column rows0 on). One launch
+// instead of three: each launch costs a ramp and a tail.
+#define PART_PARAMS                                                                               \
+    const u32 *__restrict__ t0, const u32 *__restrict__ t1, const u32 *__restrict__ t2,           \
+        const float *__restrict__ suh0, const float *__restrict__ suh1,                           \
+        const float *__restrict__ suh2, const float *__restrict__ svh0,                           \
+        const float *__restrict__ svh1, const float *__restrict__ svh2,                           \
+        const float *__restrict__ bias0, const float *__restrict__ bias1,                         \
+        const float *__restrict__ bias2, int rows0, int rows1, int rows2, int bands0, int bands1, \
+        int act, bf16 *__restrict__ act_y
+#define PART_ARGS                                                                                  \
+    t0, t1, t2, suh0, suh1, suh2, svh0, svh1, svh2, bias0, bias1, bias2, rows0, rows1, rows2,     \
+        bands0, bands1, act, act_y
+
+// With act >= 0 the launch is a gated MLP's gate (part 0) and up (part 1, as wide): the last
+// block of each pair of bands writes act_y[r][c] = bf16(act(gate) * up) for the rows0 outputs
+// instead of the two layers' outputs (no second pass over them).
+
+// This block's part: its layer's pointers, used outputs, tile columns, band within it, and first
+// output column in y; and, for a fused MLP, the up layer's scales and the activation's output.
+struct Part {
+    const u32* trellis;
+    const float* suh;
+    const float* svh;
+    const float* bias;
+    int rows, tiles_n, band, y_off;
+    int act, bands0;
+    const float* svh_gate;
+    const float* bias_gate;
+    const float* svh_up;
+    const float* bias_up;
+    bf16* act_y;
+};
+__device__ __forceinline__ Part block_part(PART_PARAMS) {
+    const int b = blockIdx.x;
+    Part p;
+    if (b < bands0) {
+        p = Part{t0, suh0, svh0, bias0, rows0, 8 * bands0, b, 0};
+    } else if (b < bands0 + bands1) {
+        p = Part{t1, suh1, svh1, bias1, rows1, 8 * bands1, b - bands0, rows0};
+    } else {
+        p = Part{t2,    suh2, svh2, bias2, rows2, 8 * ((int)gridDim.x - bands0 - bands1),
+                 b - bands0 - bands1, rows0 + rows1};
+    }
+    p.act = act;
+    p.bands0 = bands0;
+    p.svh_gate = svh0;
+    p.bias_gate = bias0;
+    p.svh_up = svh1;
+    p.bias_up = bias1;
+    p.act_y = act_y;
+    return p;
+}
+
+// H128 of the sum of split partials of row r over the 128 columns from c0 (this lane's four).
+__device__ __forceinline__ void band_sum(const float* __restrict__ partial, int splits, int m, int r,
+                                         long long n, long long c0, int lane, float (&v)[4]) {
+    v[0] = v[1] = v[2] = v[3] = 0.0f;
+    for (int s = 0; s < splits; s++) {
+        const float4 q = __ldcg((const float4*)(partial + ((long long)s * m + r) * n + c0));
+        v[0] += q.x;
+        v[1] += q.y;
+        v[2] += q.z;
+        v[3] += q.w;
+    }
+    had128(v, lane);
+}
+
+// After a block wrote its split's partial[split][r][band's 128 outputs] (bands of all parts side
+// by side, n columns): the band's last block to finish (a counter per band, reset by that block
+// for the next launch) sums the band's partials in split order (so runs are bit-identical),
+// rotates them back (H128), scales by its part's svh, adds the bias.
 __device__ __forceinline__ void finish_band(const float* __restrict__ partial,
-                                            u32* __restrict__ counters,
-                                            const float* __restrict__ svh,
-                                            const float* __restrict__ bias, float* __restrict__ y,
-                                            int ldy, int rows, long long n, int m) {
+                                            u32* __restrict__ counters, const Part& p,
+                                            float* __restrict__ y, int ldy, long long n, int m) {
     __shared__ int last;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int splits = gridDim.y;
+    // A fused MLP's gate band b and up band b share counter b.
+    const bool pair = p.act >= 0;
+    const int counter = pair ? (int)blockIdx.x % p.bands0 : (int)blockIdx.x;
+    const u32 arrivals = pair ? 2 * splits : splits;
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(&counters[blockIdx.x], 1u) == (u32)(splits - 1);
+    if (threadIdx.x == 0) last = atomicAdd(&counters[counter], 1u) == arrivals - 1;
     __syncthreads();
     if (!last) return;
     __threadfence();
     for (int r = warp; r < m; r += EXL3_WARPS) {
-        const long long c0 = (long long)blockIdx.x * 128 + 4 * lane;
-        float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        for (int s = 0; s < splits; s++) {
-            const float4 p = __ldcg((const float4*)(partial + ((long long)s * m + r) * n + c0));
-            v[0] += p.x;
-            v[1] += p.y;
-            v[2] += p.z;
-            v[3] += p.w;
+        float v[4];
+        if (pair) {
+            const int band = counter;
+            float u[4];
+            band_sum(partial, splits, m, r, n, (long long)band * 128 + 4 * lane, lane, v);
+            band_sum(partial, splits, m, r, n, (long long)(p.bands0 + band) * 128 + 4 * lane, lane,
+                     u);
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int c = band * 128 + 4 * lane + i;
+                if (c < p.rows) {
+                    // The finishing block may be the up layer's: both layers' scales by name.
+                    float gv = __fmul_rn(v[i], p.svh_gate[c]), uv = __fmul_rn(u[i], p.svh_up[c]);
+                    if (p.bias_gate) gv = __fadd_rn(gv, p.bias_gate[c]);
+                    if (p.bias_up) uv = __fadd_rn(uv, p.bias_up[c]);
+                    p.act_y[(long long)r * p.rows + c] = f2bf(activate(gv, p.act) * uv);
+                }
+            }
+            continue;
         }
-        had128(v, lane);
+        band_sum(partial, splits, m, r, n, (long long)blockIdx.x * 128 + 4 * lane, lane, v);
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-            const int c = (int)c0 + i;
-            if (c < rows) {
-                float o = __fmul_rn(v[i], svh[c]);
-                if (bias) o = __fadd_rn(o, bias[c]);
-                y[(long long)r * ldy + c] = o;
+            const int c = p.band * 128 + 4 * lane + i;
+            if (c < p.rows) {
+                float o = __fmul_rn(v[i], p.svh[c]);
+                if (p.bias) o = __fadd_rn(o, p.bias[c]);
+                y[(long long)r * ldy + p.y_off + c] = o;
             }
         }
     }
-    if (threadIdx.x == 0) counters[blockIdx.x] = 0u;
+    if (threadIdx.x == 0) counters[counter] = 0u;
 }
 
 // The whole layer for m <= 16 MT rows (m <= 8 unless FULL) in one launch, on tensor cores:
@@ -468,40 +563,72 @@ __device__ __forceinline__ void finish_band(const float* __restrict__ partial,
 // next launch) sums the band's partials in split order (so runs are bit-identical), rotates them
 // back and scales. Grid (n / 128, splits), 8 warps; warp w takes tile column 8 blockIdx.x + w.
 template <int MT, bool FULL>
-__device__ __forceinline__ void mma_layer(const u32* __restrict__ trellis, const void* __restrict__ x,
-                                          int x_bf16, int ldx, int cols,
-                                          const float* __restrict__ suh,
-                                          const float* __restrict__ svh,
-                                          const float* __restrict__ bias,
-                                          float* __restrict__ partial, u32* __restrict__ counters,
-                                          float* __restrict__ y, int ldy, int rows, int tiles_k,
-                                          int tiles_n, int tk_per_split, int m) {
+__device__ __forceinline__ void mma_layer(const Part& p, const void* __restrict__ x, int x_bf16,
+                                          int ldx, int cols, float* __restrict__ partial,
+                                          u32* __restrict__ counters, float* __restrict__ y,
+                                          int ldy, int tiles_k, int tk_per_split, int m) {
     __shared__ __align__(16) unsigned short xs[XS_HALVES];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int tn = blockIdx.x * EXL3_WARPS + warp;
+    const int tn = p.band * EXL3_WARPS + warp;
+    // The part's epilogue fields wait in shared memory, not in registers, through the main loop
+    // (written before the prologue's barrier).
+    __shared__ Part sp;
+    if (threadIdx.x == 0) sp = p;
     const int tk0 = blockIdx.y * tk_per_split;
     const int tk1 = min(tk0 + tk_per_split, tiles_k);
     const int kw = 16 * (tk1 - tk0);
     // Row stride of xs: 8 halves of padding put the 8 rows an A load reads in distinct banks.
     const int ks = kw + 8;
-    const long long n = (long long)tiles_n * 16;
+    const long long n = (long long)gridDim.x * 128;
 
     // xs[r][0..kw) = fp16(H128(x[r] * suh)) over this split's inputs.
-    const int blocks = kw / 128;
-    for (int job = warp; job < m * blocks; job += EXL3_WARPS) {
-        const int r = job / blocks, b = job - r * blocks;
-        float v[4];
-        rotate_in(x, x_bf16, ldx, cols, suh, r, 16 * tk0 + 128 * b + 4 * lane, lane, v);
-        *(uint2*)&xs[r * ks + 128 * b + 4 * lane] = pack_f16x4(v);
-    }
-    __syncthreads();
+    const auto prologue = [&]() {
+        const int blocks = kw / 128;
+        for (int job = warp; job < m * blocks; job += EXL3_WARPS) {
+            const int r = job / blocks, b = job - r * blocks;
+            float v[4];
+            rotate_in(x, x_bf16, ldx, cols, p.suh, r, 16 * tk0 + 128 * b + 4 * lane, lane, v);
+            *(uint2*)&xs[r * ks + 128 * b + 4 * lane] = pack_f16x4(v);
+        }
+        __syncthreads();
+    };
 
     const LaneWords g = lane_words(lane);
     const int grp = lane >> 2, tig = lane & 3;
-    const long long stride = (long long)tiles_n * TILE_WORDS;
+    const long long stride = (long long)p.tiles_n * TILE_WORDS;
     // The tile's words coalesced (lane L holds words L and L + 32); each lane takes the words it
     // decodes from their holders by shuffles.
-    const u32* tl = trellis + ((long long)tk0 * tiles_n + tn) * TILE_WORDS + lane;
+    const u32* tl = p.trellis + ((long long)tk0 * p.tiles_n + tn) * TILE_WORDS + lane;
+    if (!FULL) {
+        // Up to 8 rows: the decoded tile is the A operand (the lane's 8 weights are exactly the
+        // fragment of the transposed tile: outputs grp, grp + 8, inputs 2 tig.., 2 tig + 8..) and
+        // the rows of xs the B operand (column grp = row grp, clamped to the last row: the extra
+        // columns are discarded). One mma a tile for its 16 outputs, two unpredicated loads.
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        const int brow = min(grp, m - 1) * ks + 2 * tig;
+        stream_tiles(tl, stride, tk0, tk1, g, prologue, [&](const u32 (&cur)[NLOAD], int tk) {
+            u32 w[4];
+            decode8h(cur, g.shift, w);
+            const int o = 16 * (tk - tk0);
+            const u32 b0 = *(const u32*)&xs[brow + o], b1 = *(const u32*)&xs[brow + o + 8];
+            asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
+                "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+                : "r"(w[0]), "r"(w[2]), "r"(w[1]), "r"(w[3]), "r"(b0), "r"(b1));
+        });
+        // D fragment: c0, c1 at output grp, rows 2 tig + {0, 1}; c2, c3 at output grp + 8.
+        float* pp = partial + (long long)blockIdx.y * m * n + blockIdx.x * 128 + warp * 16 + grp;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int r = 2 * tig + h;
+            if (r < m) {
+                pp[(long long)r * n] = acc[h];
+                pp[(long long)r * n + 8] = acc[2 + h];
+            }
+        }
+        finish_band(partial, counters, sp, y, ldy, n, m);
+        return;
+    }
     float acc[MT][2][4];
 #pragma unroll
     for (int i = 0; i < MT; i++)
@@ -518,7 +645,7 @@ __device__ __forceinline__ void mma_layer(const u32* __restrict__ trellis, const
             const int r = 16 * i + grp + 8 * j;
             arow[i][j] = r < m ? r * ks + 2 * tig : -1;
         }
-    stream_tiles(tl, stride, tk0, tk1, g, [&](const u32 (&cur)[NLOAD], int tk) {
+    stream_tiles(tl, stride, tk0, tk1, g, prologue, [&](const u32 (&cur)[NLOAD], int tk) {
             u32 b[4];
             decode8h(cur, g.shift, b);
             const int o = 16 * (tk - tk0);
@@ -557,24 +684,21 @@ __device__ __forceinline__ void mma_layer(const u32* __restrict__ trellis, const
                 const int r = 16 * i + grp + 8 * h;
                 if (r < m) {
                     float2 v = make_float2(acc[i][j][2 * h], acc[i][j][2 * h + 1]);
-                    *(float2*)(partial + ((long long)blockIdx.y * m + r) * n + tn * 16 + 8 * j +
-                               2 * tig) = v;
+                    *(float2*)(partial + ((long long)blockIdx.y * m + r) * n +
+                               blockIdx.x * 128 + warp * 16 + 8 * j + 2 * tig) = v;
                 }
             }
 
-    finish_band(partial, counters, svh, bias, y, ldy, rows, n, m);
+    finish_band(partial, counters, sp, y, ldy, n, m);
 }
 
 #define EXL3_MMA(name, MT, FULL, MIN_BLOCKS)                                                      \
     extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS)                                 \
-        name(const u32* __restrict__ trellis, const void* __restrict__ x, int x_bf16, int ldx,    \
-             int cols, const float* __restrict__ suh, const float* __restrict__ svh,              \
-             const float* __restrict__ bias, float* __restrict__ partial, u32* __restrict__ counters, \
-             float* __restrict__ y, int ldy, int rows, int tiles_k, int tiles_n, int tk_per_split, \
-             int m) {                                                                             \
-        mma_layer<MT, FULL>(trellis, x, x_bf16, ldx, cols, suh, svh, bias, partial, counters, y,  \
-                            ldy,                                                                  \
-                            rows, tiles_k, tiles_n, tk_per_split, m);                             \
+        name(PART_PARAMS, const void* __restrict__ x, int x_bf16, int ldx, int cols,              \
+             float* __restrict__ partial, u32* __restrict__ counters, float* __restrict__ y,      \
+             int ldy, int tiles_k, int tk_per_split, int m) {                                     \
+        mma_layer<MT, FULL>(block_part(PART_ARGS), x, x_bf16, ldx, cols, partial, counters, y,    \
+                            ldy, tiles_k, tk_per_split, m);                                       \
     }
 // The one-tile kernels bounded for MMA_MIN_BLOCKS blocks per SM; the wider ones' accumulators
 // need more registers than that leaves (they would spill).
@@ -592,46 +716,53 @@ EXL3_MMA(exl3_mma64, 4, true, 1)
 //   sum_k w_k x_k ~ sum_blocks qs[b] (A sum_k s_k xq_k + B sum_k xq_k).
 // Tiles are streamed as in the tensor-core GEMV (stream_tiles); lane L sums inputs 2(L&3) + {0, 1, 8, 9}
 // of columns L/4 and L/4 + 8 of its warp's tile column. Epilogue: finish_band. Grid (n / 128,
-// splits), 8 warps. Other codebooks have no such form and never launch it.
+// splits), 8 warps. Other codebooks have no such form and never launch it. Its parameters are the
+// tensor-core kernels' (one launcher), for one row (m = 1).
 #define MUL1_A (1774.0f / 262144.0f)
 #define MUL1_B (1024.0f * (1774.0f / 262144.0f) - 1329.0f / 128.0f)
 extern "C" __global__ void __launch_bounds__(256, MMA_MIN_BLOCKS)
-exl3_q8(const u32* __restrict__ trellis, const void* __restrict__ x, int x_bf16, int cols,
-        const float* __restrict__ suh, const float* __restrict__ svh,
-        const float* __restrict__ bias, float* __restrict__ partial, u32* __restrict__ counters,
-        float* __restrict__ y, int rows, int tiles_k, int tiles_n, int tk_per_split) {
+exl3_q8(PART_PARAMS, const void* __restrict__ x, int x_bf16, int ldx, int cols,
+        float* __restrict__ partial, u32* __restrict__ counters, float* __restrict__ y, int ldy,
+        int tiles_k, int tk_per_split, int m) {
 #if EXL3_CB == 2
     __shared__ __align__(16) signed char xq[XS_HALVES];
     __shared__ float qs[XS_HALVES / 128];
+    const Part p = block_part(PART_ARGS);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int tn = blockIdx.x * EXL3_WARPS + warp;
+    const int tn = p.band * EXL3_WARPS + warp;
+    // The part's epilogue fields wait in shared memory, not in registers, through the main loop
+    // (written before the prologue's barrier).
+    __shared__ Part sp;
+    if (threadIdx.x == 0) sp = p;
     const int tk0 = blockIdx.y * tk_per_split;
     const int tk1 = min(tk0 + tk_per_split, tiles_k);
     const int kw = 16 * (tk1 - tk0);
-    const long long n = (long long)tiles_n * 16;
-    for (int b = warp; b < kw / 128; b += EXL3_WARPS) {
-        float v[4];
-        rotate_in(x, x_bf16, cols, cols, suh, 0, 16 * tk0 + 128 * b + 4 * lane, lane, v);
-        const float amax =
-            warp_max(fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3]))));
-        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        u32 packed = 0;
+    const long long n = (long long)gridDim.x * 128;
+    const auto prologue = [&]() {
+        for (int b = warp; b < kw / 128; b += EXL3_WARPS) {
+            float v[4];
+            rotate_in(x, x_bf16, ldx, cols, p.suh, 0, 16 * tk0 + 128 * b + 4 * lane, lane, v);
+            const float amax =
+                warp_max(fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3]))));
+            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            u32 packed = 0;
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const int q = max(-127, min(127, __float2int_rn(v[i] * inv)));
-            packed |= ((u32)q & 0xffu) << (8 * i);
+            for (int i = 0; i < 4; i++) {
+                const int q = max(-127, min(127, __float2int_rn(v[i] * inv)));
+                packed |= ((u32)q & 0xffu) << (8 * i);
+            }
+            *(u32*)&xq[128 * b + 4 * lane] = packed;
+            if (lane == 0) qs[b] = amax / 127.0f;
         }
-        *(u32*)&xq[128 * b + 4 * lane] = packed;
-        if (lane == 0) qs[b] = amax / 127.0f;
-    }
-    __syncthreads();
+        __syncthreads();
+    };
 
     const LaneWords g = lane_words(lane);
     const int row0 = 2 * (lane & 3);
-    const long long stride = (long long)tiles_n * TILE_WORDS;
-    const u32* tl = trellis + ((long long)tk0 * tiles_n + tn) * TILE_WORDS + lane;
+    const long long stride = (long long)p.tiles_n * TILE_WORDS;
+    const u32* tl = p.trellis + ((long long)tk0 * p.tiles_n + tn) * TILE_WORDS + lane;
     float acc0 = 0.0f, acc1 = 0.0f, accx = 0.0f;
-    stream_tiles(tl, stride, tk0, tk1, g, [&](const u32 (&cur)[NLOAD], int tk) {
+    stream_tiles(tl, stride, tk0, tk1, g, prologue, [&](const u32 (&cur)[NLOAD], int tk) {
             u32 st[8];
             states8(cur, g.shift, st);
             const int o = 16 * (tk - tk0);
@@ -658,11 +789,11 @@ exl3_q8(const u32* __restrict__ trellis, const void* __restrict__ x, int x_bf16,
         accx += __shfl_xor_sync(FULL_MASK, accx, m);
     }
     if ((lane & 3) == 0) {
-        float* p = partial + (long long)blockIdx.y * n + tn * 16 + (lane >> 2);
-        p[0] = fmaf(MUL1_A, acc0, MUL1_B * accx);
-        p[8] = fmaf(MUL1_A, acc1, MUL1_B * accx);
+        float* o = partial + (long long)blockIdx.y * n + blockIdx.x * 128 + warp * 16 + (lane >> 2);
+        o[0] = fmaf(MUL1_A, acc0, MUL1_B * accx);
+        o[8] = fmaf(MUL1_A, acc1, MUL1_B * accx);
     }
-    finish_band(partial, counters, svh, bias, y, rows, rows, n, 1);
+    finish_band(partial, counters, sp, y, ldy, n, 1);
 #else
     __trap();
 #endif
