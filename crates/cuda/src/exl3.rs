@@ -269,7 +269,6 @@ impl Exl3Scratch {
             for l in parts {
                 let (k, n) = (l.shape.k, l.shape.n);
                 partial = partial.max(l.split(gpu.sm_count, BLOCKS_PER_SM).0 * n);
-                bands = bands.max(n / 128);
                 if rows >= GEMM_MIN_ROWS {
                     xh16 = xh16.max(rows * k);
                     band = band.max(k * band_cols(k, n));

@@ -78,11 +78,7 @@ fn gemma3_gguf_becomes_a_folder_that_tokenizes_and_computes_like_it() {
     ids.truncate(600);
     let t = Instant::now();
     let (x, y) = (last_logits(&g, &ids), last_logits(&f, &ids));
-    let worst = x
-        .iter()
-        .zip(&y)
-        .map(|(p, q)| (p - q).abs())
-        .fold(0.0f32, f32::max);
+    let worst = max_abs_diff(&x, &y);
     let argmax = |v: &[f32]| {
         v.iter()
             .enumerate()
@@ -111,10 +107,14 @@ fn llama_gguf_with_bpe_vocabulary_still_converts() {
     let f = trellm::load(&dir).unwrap();
     let ids = g.tokenizer().unwrap().encode(SAMPLES[1], true).unwrap();
     let (x, y) = (last_logits(&g, &ids), last_logits(&f, &ids));
-    let worst = x
-        .iter()
-        .zip(&y)
-        .map(|(p, q)| (p - q).abs())
-        .fold(0.0f32, f32::max);
+    let worst = max_abs_diff(&x, &y);
     assert!(worst < 1e-3, "{worst}");
+}
+
+/// The largest elementwise difference of two logit rows.
+fn max_abs_diff(x: &[f32], y: &[f32]) -> f32 {
+    x.iter()
+        .zip(y)
+        .map(|(p, q)| (p - q).abs())
+        .fold(0.0f32, f32::max)
 }
