@@ -16,7 +16,7 @@ through exllamav3's own Cache (fp16), Generator and greedy Jobs, as our bench me
   time after every job's first).
 One JSON line per measurement to stdout (and --out).
 
-usage: python3 scripts/gpu/exllamav3_e2e.py --bits 3 [--dir /tmp/ex3-8b] [--batch 8,32]
+usage: python3 scripts/gpu/exllamav3_e2e.py --bits 3 [--dir /tmp/ex3-8b] [--batch 8,32] [--start-after FILE]
 """
 
 import argparse, json, os, struct, sys, time
@@ -138,6 +138,9 @@ def main():
     ap.add_argument("--batch", default="8,32")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default="")
+    ap.add_argument("--start-after", default="",
+                    help="wait (after its extension build and the model load) until this file exists, so a "
+                         "run started beside another engine's measures alone")
     a = ap.parse_args()
     from exllamav3 import Cache, Config, Generator, Job, Model, Tokenizer
 
@@ -154,6 +157,9 @@ def main():
     model.load()
     tokenizer = Tokenizer.from_config(config)
     gen_ = Generator(model, cache, tokenizer, max_batch_size=most, max_chunk_size=2048)
+    emit(a.out, what="loaded", bits=a.bits)
+    while a.start_after and not os.path.exists(a.start_after):
+        time.sleep(0.5)
     g = torch.Generator().manual_seed(1)
     prompt = lambda n: torch.randint(2, VOCAB, (1, n), generator=g)
     run_jobs(gen_, Job, [prompt(64)], 8)  # warm-up

@@ -9,10 +9,11 @@
 //! (partial + combine), o projection, residual add fused with the next norm, gate/up projection
 //! with the activation fused in (decode), down projection, residual add + next norm. Decode runs
 //! our GEMV and is captured once as a CUDA graph that reads the token and position from device
-//! memory, so one replay is one token with no host round trip; prefill runs cuBLAS GEMMs,
-//! attention included: per chunk of query tokens, S = Q K^T and O = P V are strided-batched GEMMs
-//! over kv heads (the group's query rows stacked, so GQA shares K/V), with a masking/soft-capping
-//! softmax kernel between.
+//! memory, so one replay is one token with no host round trip; prefill runs cuBLAS GEMMs, and
+//! its attention is one flash-style kernel on tensor cores over the query rows stacked per kv
+//! head (GQA shares K/V; [`FlashPrefill`]); head dims it does not take (not a multiple of 16, or
+//! above 128) run S = Q K^T and O = P V as strided-batched GEMMs per chunk of query tokens, with a
+//! masking/soft-capping softmax kernel between.
 //! Decode by default (Llama-like models: RMSNorm, no q/k norm, no post-norms or o/down biases)
 //! fuses rope and the cache write into the qkv GEMV, and the residual add into the o/down GEMVs'
 //! epilogues with the next RMSNorm deferred into the next GEMV (the producer leaves bf16(w * x)
@@ -602,8 +603,7 @@ pub const MAX_SEQS: usize = 64;
 /// (scripts/gpu/NOTES.md). What measured worse was deleted rather than kept behind a switch: PDL
 /// (+0.1 ms a token in every configuration, runs 5-12), last-block residual + norm (+1.1 ms,
 /// run 5), last-block attention combine (+0.28 ms), bf16 gate/up in prefill, fixed-size decode
-/// splits over the whole cache, CUDA-core prefill attention and the first flash-attention
-/// prefill kernel (equal to the GEMM path, run 13).
+/// splits over the whole cache, CUDA-core prefill attention.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Options {
     /// Blocks per thread-block cluster of decode attention (2..=8, sm_90+): the splits of a kv
@@ -613,7 +613,8 @@ pub struct Options {
     /// The longest context decode runs the cluster attention for; longer contexts replay a graph
     /// with the split count sized to the chip and the combine kernel.
     pub cluster_ctx: usize,
-    /// Elements of the prefill attention's score buffer (f32; bounds the query rows a chunk).
+    /// Elements of the GEMM prefill attention's score buffer (f32; bounds the query rows a
+    /// chunk), for head dims the flash kernel does not take.
     pub attn_score_budget: usize,
     /// One-row steps of MUL1 EXL3 layers on the fast path (int8 activations, dp4a), as
     /// exllamav3's default; off by default: it is not the exact path and is not yet checked
@@ -642,6 +643,7 @@ struct Funcs {
     rope: CudaFunction,
     attn_partial: CudaFunction,
     attn_combine: CudaFunction,
+    attn_prefill: Option<FlashPrefill>,
     attn_softmax: CudaFunction,
     attn_unstack: CudaFunction,
     kv_gather: CudaFunction,
@@ -757,6 +759,91 @@ struct Seg {
     table: u64,
 }
 
+/// Prefill attention in one kernel (`attn_prefill` in attention.cu: flash style, the scores in
+/// registers), for head dims that are a multiple of 16 up to 128 (`FA_OK`; the others run as
+/// GEMMs). Against the GEMM path on the H200, Llama-3.1-8B shape, 2048 tokens: 8.0 ms of
+/// attention against 14.6 (BENCHMARKS.md).
+pub struct FlashPrefill {
+    f: CudaFunction,
+    head_dim: usize,
+}
+
+/// One segment's prefill attention: `rows` stacked query rows (`t * group + j`) from row `row0`
+/// of `q` (bf16, `[kv head][q_rows][head_dim]`, scaled), the sequence's `n_keys` keys and values
+/// in the cache (`[slot][n_kv][head_dim]` bf16, slots through the block table `table` of
+/// `KV_BLOCK`-position blocks, or positions without one), each token's position (`pos`, i32),
+/// and the `[t][head][head_dim]` bf16 output.
+pub struct FlashSegment {
+    pub q: u64,
+    pub q_rows: usize,
+    pub row0: usize,
+    pub rows: usize,
+    pub k: u64,
+    pub v: u64,
+    pub table: u64,
+    pub n_kv: usize,
+    pub n_keys: usize,
+    pub pos: u64,
+    pub group: usize,
+    pub window: Option<usize>,
+    pub softcap: Option<f32>,
+    pub out: u64,
+}
+
+impl FlashPrefill {
+    /// Stacked query rows a block takes (`FA_ROWS`).
+    const ROWS: usize = 64;
+
+    /// The kernel for `head_dim`, or None where it does not run (`FA_OK`).
+    pub fn load(gpu: &Gpu, head_dim: usize) -> Result<Option<FlashPrefill>> {
+        if !(head_dim.is_multiple_of(16) && head_dim <= 128) {
+            return Ok(None);
+        }
+        let f = gpu.function(
+            &kernels::ATTENTION,
+            &[format!("HEAD_DIM={head_dim}")],
+            "attn_prefill",
+        )?;
+        f.set_attribute(
+            dsys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            Self::shared_bytes(head_dim) as i32,
+        )?;
+        Ok(Some(FlashPrefill { f, head_dim }))
+    }
+
+    /// Dynamic shared memory: two stages of 64 keys' K and V rows, each padded by 8 halves
+    /// (`FA_STAGE`).
+    fn shared_bytes(head_dim: usize) -> usize {
+        2 * 2 * 64 * (head_dim + 8) * 2
+    }
+
+    pub fn launch(&self, gpu: &Gpu, s: &FlashSegment) -> Result<()> {
+        gpu.launch_shared(
+            &self.f,
+            (s.rows.div_ceil(Self::ROWS) as u32, s.n_kv as u32, 1),
+            128,
+            Self::shared_bytes(self.head_dim) as u32,
+            &[
+                Arg::Ptr(s.q),
+                Arg::I32(s.q_rows as i32),
+                Arg::I32(s.row0 as i32),
+                Arg::I32(s.rows as i32),
+                Arg::Ptr(s.k),
+                Arg::Ptr(s.v),
+                Arg::Ptr(s.table),
+                Arg::I32(KV_BLOCK as i32),
+                Arg::I32(s.n_kv as i32),
+                Arg::I32(s.n_keys as i32),
+                Arg::Ptr(s.pos),
+                Arg::I32(s.group as i32),
+                Arg::I32(s.window.unwrap_or(0) as i32),
+                Arg::F32(s.softcap.unwrap_or(0.0)),
+                Arg::Ptr(s.out),
+            ],
+        )
+    }
+}
+
 /// A pass of a batch step over a paged cache.
 struct Paged<'a> {
     kv: &'a PagedKv,
@@ -839,6 +926,7 @@ impl DenseModel {
             rope: gpu.function(&kernels::ROPE, &[], "qkv_rope")?,
             attn_partial: gpu.function(&kernels::ATTENTION, &hd, "attn_partial")?,
             attn_combine: gpu.function(&kernels::ATTENTION, &hd, "attn_combine")?,
+            attn_prefill: FlashPrefill::load(&gpu, cfg.head_dim)?,
             attn_softmax: gpu.function(&kernels::ATTENTION, &hd, "attn_softmax")?,
             attn_unstack: gpu.function(&kernels::ATTENTION, &hd, "attn_unstack")?,
             kv_gather: gpu.function(&kernels::ATTENTION, &hd, "kv_gather")?,
@@ -857,7 +945,14 @@ impl DenseModel {
         let part_rows = MAX_SEQS * cfg.n_heads * splits;
         let kv = max_context * cfg.kv_dim();
         let attn_rows = (opts.attn_score_budget / (cfg.n_heads * max_context)).clamp(1, t);
-        let score_elems = cfg.n_heads * attn_rows * (max_context + 8);
+        // The GEMM path's scores, stacked outputs and gathered keys (none for flash prefill).
+        let gemm = f.attn_prefill.is_none();
+        let score_elems = if gemm {
+            cfg.n_heads * attn_rows * (max_context + 8)
+        } else {
+            1
+        };
+        let gathered = if gemm { kv } else { 1 };
         let b = Buffers {
             x: gpu.alloc(t * h)?,
             xn: gpu.alloc(t * h)?,
@@ -884,7 +979,7 @@ impl DenseModel {
                 .map(|_| gpu.alloc(kv))
                 .collect::<Result<_>>()?,
             q_stacked: gpu.alloc(t * cfg.q_dim())?,
-            o_stacked: gpu.alloc(t * cfg.q_dim())?,
+            o_stacked: gpu.alloc(if gemm { t * cfg.q_dim() } else { 1 })?,
             scores: gpu.alloc(score_elems)?,
             probs: gpu.alloc(score_elems)?,
             ss: gpu.alloc(2 * cfg.n_layers() * SS_BUCKETS)?,
@@ -893,8 +988,8 @@ impl DenseModel {
             tok_idx: gpu.alloc(t.min(MAX_SEQS))?,
             rows: gpu.alloc(MAX_SEQS)?,
             sel: gpu.alloc(MAX_SEQS * h)?,
-            k_gather: gpu.alloc(kv)?,
-            v_gather: gpu.alloc(kv)?,
+            k_gather: gpu.alloc(gathered)?,
+            v_gather: gpu.alloc(gathered)?,
         };
         let rope_tables = ops
             .iter()
@@ -1744,6 +1839,29 @@ impl DenseModel {
                 }
             }
             for seg in &segs {
+                if let Some(flash) = &f.attn_prefill {
+                    let group = c.n_heads / c.n_kv_heads;
+                    flash.launch(
+                        g,
+                        &FlashSegment {
+                            q: g.ptr(&b.q_stacked),
+                            q_rows: m * group,
+                            row0: seg.off * group,
+                            rows: seg.len * group,
+                            k: kc,
+                            v: vc,
+                            table: seg.table,
+                            n_kv: c.n_kv_heads,
+                            n_keys: seg.start + seg.len,
+                            pos: inp.pos + 4 * seg.off as u64,
+                            group,
+                            window: attn.window,
+                            softcap: attn.softcap,
+                            out: g.ptr(&b.attn) + 2 * (seg.off * c.q_dim()) as u64,
+                        },
+                    )?;
+                    continue;
+                }
                 let (kg, vg) = if seg.table != 0 {
                     // The sequence's keys and values, contiguous, for the GEMMs.
                     g.launch(

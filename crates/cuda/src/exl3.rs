@@ -92,6 +92,11 @@ const DQ_TILES: usize = 4;
 /// Most rows the tensor-core GEMV takes (its widest instantiation, `exl3_mma64`).
 pub const MMA_ROWS: usize = 64;
 
+/// Rows from which the tensor-core GEMV's inputs are rotated by one `exl3_in` launch for all of
+/// a launch's parts instead of inside each block (whose prologue would rotate the same rows
+/// again for every band: at 32 rows that was ~30% of the layer's instructions).
+pub const PREROTATE_ROWS: usize = 9;
+
 /// Rows from which a layer runs as decode-to-fp16 + cuBLAS GEMM.
 pub const GEMM_MIN_ROWS: usize = MMA_ROWS + 1;
 
@@ -238,6 +243,9 @@ pub struct Exl3Scratch {
     /// Blocks per SM the tensor-core and int8 GEMVs split for ([`MMA_BLOCKS_PER_SM`]; at most
     /// [`MMA_SWEEP_MAX`], which the partial sums are sized for).
     pub mma_per_sm: usize,
+    /// Rows from which the tensor-core GEMV takes its inputs rotated beforehand by one
+    /// `exl3_in` launch ([`PREROTATE_ROWS`]; the timing test moves it).
+    pub prerotate_rows: usize,
 }
 
 impl Exl3Scratch {
@@ -265,6 +273,8 @@ impl Exl3Scratch {
                     partial = partial.max(splits * mma_rows * shape.n);
                 }
                 xh = xh.max(first.shape.k);
+                // The tensor-core GEMV's inputs rotated beforehand, fp16, every part's.
+                xh16 = xh16.max(all.len() * rows.min(MMA_ROWS) * first.shape.k);
             }
             for l in parts {
                 let (k, n) = (l.shape.k, l.shape.n);
@@ -285,6 +295,7 @@ impl Exl3Scratch {
             counters: gpu.alloc(bands)?,
             int8: false,
             mma_per_sm: MMA_BLOCKS_PER_SM,
+            prerotate_rows: PREROTATE_ROWS,
         })
     }
 
@@ -751,6 +762,9 @@ impl Exl3Linear {
                 Arg::I32(x.ld as i32),
                 Arg::I32(self.cols as i32),
                 Arg::Ptr(gpu.ptr(&self.suh)),
+                Arg::Ptr(0),
+                Arg::Ptr(0),
+                Arg::U64(0),
                 Arg::Ptr(xh),
                 Arg::I32(f16 as i32),
                 Arg::I32(k as i32),
@@ -978,12 +992,48 @@ fn launch_rows(
         "EXL3 scratch too small for {m} rows of {}x{n}",
         shape.k
     );
+    let k = shape.k;
+    let xh_pre = if m >= s.prerotate_rows {
+        ensure!(
+            s.xh16.len() >= parts.len() * m * k,
+            "EXL3 scratch too small for {m} rotated rows of {k}"
+        );
+        let suh = |i: usize| parts.get(i).map_or(0, |l| gpu.ptr(&l.suh));
+        let xh = gpu.ptr(&s.xh16);
+        gpu.launch(
+            &parts[0].k.input,
+            (
+                (k / 128).div_ceil(4) as u32,
+                m.div_ceil(IN_ROWS) as u32,
+                parts.len() as u32,
+            ),
+            128,
+            &[
+                Arg::Ptr(x.ptr),
+                Arg::I32(x.bf16 as i32),
+                Arg::I32(x.ld as i32),
+                Arg::I32(parts[0].cols as i32),
+                Arg::Ptr(suh(0)),
+                Arg::Ptr(suh(1)),
+                Arg::Ptr(suh(2)),
+                Arg::U64((m * k) as u64),
+                Arg::Ptr(xh),
+                Arg::I32(1),
+                Arg::I32(k as i32),
+                Arg::I32(m as i32),
+            ],
+        )?;
+        xh
+    } else {
+        0
+    };
     let (mut args, bands) = part_args(gpu, parts, act)?;
     args.extend([
         Arg::Ptr(x.ptr),
         Arg::I32(x.bf16 as i32),
         Arg::I32(x.ld as i32),
         Arg::I32(parts[0].cols as i32),
+        Arg::Ptr(xh_pre),
         Arg::Ptr(gpu.ptr(&s.partial)),
         Arg::Ptr(gpu.ptr(&s.counters)),
         Arg::Ptr(y),

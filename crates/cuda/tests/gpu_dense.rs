@@ -333,3 +333,128 @@ fn nccl_world_of_one_matches_the_plain_decoder() {
     }
     eprintln!("world of one vs plain: largest relative logit error {worst:.2e}");
 }
+
+/// Flash prefill attention (`attn_prefill`) against float64 attention on the host, on the kernel
+/// alone: GQA groups of 1 to 7, head dims 16 to 128, sliding windows and soft-caps, keys already
+/// in the cache before the segment (a continued prefill), a paged cache with shuffled blocks and
+/// a contiguous one, row counts that are not whole blocks, and a segment that is not the step's
+/// first (its stacked rows and outputs start past another's).
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --ignored on the GPU machine"]
+fn flash_prefill_matches_f64_attention() {
+    use trellm_cuda::dense::{FlashPrefill, FlashSegment, KV_BLOCK};
+    let gpu = gpu();
+    // (head dim, kv heads, group, window, soft-cap, keys before, tokens, paged)
+    for (hd, n_kv, group, window, softcap, before, n, paged) in [
+        (128, 2, 4, None, None, 0, 150, true),
+        (128, 1, 1, Some(40), None, 70, 33, false),
+        (64, 3, 1, Some(37), Some(30.0), 5, 100, true),
+        (96, 1, 7, None, None, 17, 21, true),
+        (80, 2, 2, None, Some(50.0), 0, 64, false),
+        (16, 2, 2, Some(5), Some(4.0), 9, 40, true),
+    ] {
+        let flash = FlashPrefill::load(&gpu, hd)
+            .unwrap()
+            .expect("a flash head dim");
+        let (off, n_heads, n_keys) = (3usize, n_kv * group, before + n);
+        let m = off + n; // the step's tokens: another segment's 3, then this one's
+        let seed = (hd * 31 + n) as u64;
+        // q stacked [kv head][m * group][hd], scaled like the RoPE kernel leaves it.
+        // Values in [-1, 1) (the generator's rare large ones folded back), q scaled like the
+        // RoPE kernel leaves it.
+        let values = |n: usize, seed: u64, scale: f32| -> Vec<u16> {
+            bf16_values(n, seed)
+                .into_iter()
+                .map(|v| {
+                    let x = bf16_f64(v) as f32;
+                    trellm_cuda::dense::to_bf16(if x.abs() > 1.0 { x / 40.0 } else { x } * scale)
+                })
+                .collect()
+        };
+        let q = values(n_kv * m * group * hd, seed, 0.35);
+        let blocks = n_keys.div_ceil(KV_BLOCK);
+        // The sequence's logical blocks in physical slots, shuffled (or positions as slots).
+        let table: Vec<i32> = (0..blocks as i32)
+            .map(|b| (b * 7 + 3) % blocks as i32)
+            .collect();
+        let slot = |key: usize| {
+            if paged {
+                table[key / KV_BLOCK] as usize * KV_BLOCK + key % KV_BLOCK
+            } else {
+                key
+            }
+        };
+        let cache = blocks * KV_BLOCK * n_kv * hd;
+        let (kc, vc) = (values(cache, seed + 1, 1.0), values(cache, seed + 2, 1.0));
+        let pos: Vec<i32> = (0..m).map(|t| (before + t) as i32 - off as i32).collect();
+        let (qd, kd, vd) = (
+            gpu.upload(&q).unwrap(),
+            gpu.upload(&kc).unwrap(),
+            gpu.upload(&vc).unwrap(),
+        );
+        let (td, pd) = (gpu.upload(&table).unwrap(), gpu.upload(&pos).unwrap());
+        let out = gpu.alloc::<u16>(m * n_heads * hd).unwrap();
+        flash
+            .launch(
+                &gpu,
+                &FlashSegment {
+                    q: gpu.ptr(&qd),
+                    q_rows: m * group,
+                    row0: off * group,
+                    rows: n * group,
+                    k: gpu.ptr(&kd),
+                    v: gpu.ptr(&vd),
+                    table: if paged { gpu.ptr(&td) } else { 0 },
+                    n_kv,
+                    n_keys,
+                    pos: gpu.ptr(&pd) + 4 * off as u64,
+                    group,
+                    window,
+                    softcap,
+                    out: gpu.ptr(&out) + 2 * (off * n_heads * hd) as u64,
+                },
+            )
+            .unwrap();
+        let got = gpu.stream.clone_dtoh(&out).unwrap();
+        let mut err = 0.0f64;
+        for t in 0..n {
+            let p = before + t;
+            let lo = window.map_or(0, |w| (p + 1).saturating_sub(w));
+            for h in 0..n_heads {
+                let (kvh, row) = (h / group, (off + t) * group + h % group);
+                let qr = &q[(kvh * m * group + row) * hd..][..hd];
+                let kv_at = |c: &[u16], key: usize, d: usize| {
+                    bf16_f64(c[(slot(key) * n_kv + kvh) * hd + d])
+                };
+                let scores: Vec<f64> = (lo..=p)
+                    .map(|key| {
+                        let s: f64 = (0..hd).map(|d| bf16_f64(qr[d]) * kv_at(&kc, key, d)).sum();
+                        softcap.map_or(s, |c| (s / c as f64).tanh() * c as f64)
+                    })
+                    .collect();
+                let mx = scores.iter().cloned().fold(f64::MIN, f64::max);
+                let w: Vec<f64> = scores.iter().map(|s| (s - mx).exp()).collect();
+                let sum: f64 = w.iter().sum();
+                for d in 0..hd {
+                    let want: f64 = (lo..=p)
+                        .zip(&w)
+                        .map(|(key, wk)| wk * kv_at(&vc, key, d))
+                        .sum::<f64>()
+                        / sum;
+                    let have = bf16_f64(got[((off + t) * n_heads + h) * hd + d]);
+                    err = err.max((have - want).abs());
+                }
+            }
+        }
+        // bf16 weights and outputs (2^-9 relative each) of values within 1: at most ~2^-8 x the
+        // values' spread; a key too many or too few in the windowed and short cases (5 to 40
+        // keys) is an error of about 1 / keys.
+        assert!(
+            err <= 0.01,
+            "hd {hd}, {n_kv} kv x {group}, window {window:?}, softcap {softcap:?}, paged {paged}: \
+             max error {err}"
+        );
+        // The other segment's rows are untouched.
+        assert!(got[..off * n_heads * hd].iter().all(|&v| v == 0));
+    }
+}

@@ -10,7 +10,7 @@ use common::gpu;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use trellm_cuda::exl3::{Exl3Linear, Exl3Scratch, Regime, Rows, GEMM_MIN_ROWS};
+use trellm_cuda::exl3::{Exl3Linear, Exl3Scratch, Regime, Rows, GEMM_MIN_ROWS, PREROTATE_ROWS};
 use trellm_cuda::{bench, Gpu};
 use trellm_model::weights::{Linear, LinearWeight, TensorSource, Weights};
 use trellm_model::ModelConfig;
@@ -855,7 +855,8 @@ fn timing() {
 }
 
 /// A target for Nsight Compute (`ncu -k regex:exl3_`): one 4096x14336 MUL1 K = 3 layer through
-/// the tensor-core GEMV at 1 and 16 rows and the exact GEMV at 1 row, three times each. Checks
+/// the tensor-core GEMV at 1, 8, 16 and 32 rows, the int8 path and the exact GEMV at 1 row, three
+/// times each, with the inputs of many rows rotated beforehand and then in the blocks. Checks
 /// nothing but that it runs.
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on the GPU machine"]
@@ -863,24 +864,29 @@ fn profile_target() {
     let gpu = gpu();
     let h = host(4096, 14336, 4096, 14336, Codebook::Mul1, Bitrate::int(3), 3);
     let l = h.upload(&gpu);
-    let s = Exl3Scratch::new(&gpu, &[(&l, 16)]).unwrap();
-    let xs: Vec<f32> = (0..16).flat_map(|_| h.x.iter().copied()).collect();
+    let mut s = Exl3Scratch::new(&gpu, &[(&l, 32)]).unwrap();
+    let xs: Vec<f32> = (0..32).flat_map(|_| h.x.iter().copied()).collect();
     let x = gpu.upload(&xs).unwrap();
-    let y = gpu.alloc::<f32>(16 * h.shape.n).unwrap();
+    let y = gpu.alloc::<f32>(32 * h.shape.n).unwrap();
     let rows = Rows {
         ptr: gpu.ptr(&x),
         bf16: false,
         ld: h.cols,
     };
-    for _ in 0..3 {
-        for (regime, m) in [
-            (Regime::Mma, 1),
-            (Regime::Int8, 1),
-            (Regime::Mma, 16),
-            (Regime::Gemv, 1),
-        ] {
-            l.forward_in(&gpu, &s, regime, m, rows, gpu.ptr(&y), h.shape.n)
-                .unwrap();
+    for prerotate in [PREROTATE_ROWS, usize::MAX] {
+        s.prerotate_rows = prerotate;
+        for _ in 0..3 {
+            for (regime, m) in [
+                (Regime::Mma, 1),
+                (Regime::Int8, 1),
+                (Regime::Mma, 8),
+                (Regime::Mma, 16),
+                (Regime::Mma, 32),
+                (Regime::Gemv, 1),
+            ] {
+                l.forward_in(&gpu, &s, regime, m, rows, gpu.ptr(&y), h.shape.n)
+                    .unwrap();
+            }
         }
     }
     gpu.sync().unwrap();

@@ -301,6 +301,248 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part_acc,
     }
 }
 
+// Prefill attention, flash style on tensor cores (mma.m16n8k16, bf16 operands, f32 sums): the
+// scores never leave registers. A block takes FA_ROWS stacked query rows of one kv head (row
+// r = t * group + j of the segment, q already scaled and rounded to bf16 by the RoPE kernel), a
+// warp 16 of them; the block walks tiles of FA_KT keys, K and V copied into shared memory
+// asynchronously one tile ahead (from the paged cache through `table`, or contiguous rows), and
+// each warp computes S = Q K^T, masks it (causal by position, sliding window), soft-caps it, and
+// folds it into a running max, sum and O += bf16(2^(S log2 e - max)) V. Rows attend to keys
+// [lo, min(pos, n_keys - 1)]. Head dims that are not a multiple of 16 or above 128 (whose O and
+// Q fragments would not fit the registers) run as GEMMs (attn_softmax below). A first version
+// that loaded each tile synchronously only matched the GEMMs (H200 run 13).
+#define FA_WARPS 4
+#define FA_ROWS (FA_WARPS * 16)
+#define FA_KT 64
+#define FA_LD (HD + 8)  // halves a staged row: the 8 rows an ldmatrix phase reads in distinct banks
+#define FA_STAGE (2 * FA_KT * FA_LD)  // halves of one stage: K then V
+#define FA_OK (HD % 16 == 0 && HD <= 128)
+#define LOG2E 1.4426950408889634f
+
+__device__ __forceinline__ u32 pack_bf2(float lo, float hi) {
+    return (u32)f2bf(lo) | ((u32)f2bf(hi) << 16);
+}
+__device__ __forceinline__ void mma_bf16(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
+                                         u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    return (u32)__cvta_generic_to_shared(p);
+}
+// 16 bytes global -> shared without a register round trip; zeros where `full` is false.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool full) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(full ? 16 : 0));
+}
+
+extern "C" __global__ void __launch_bounds__(FA_WARPS * 32, 2)
+attn_prefill(const bf16* __restrict__ q, int q_rows, int row0, int rows,
+             const bf16* __restrict__ kc, const bf16* __restrict__ vc, const int* __restrict__ table,
+             int bs, int n_kv, int n_keys, const int* __restrict__ pos, int group, int window,
+             float softcap, bf16* __restrict__ out) {
+#if FA_OK
+    extern __shared__ __align__(16) bf16 fa_smem[];  // two stages
+    __shared__ int range[2][FA_WARPS];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int grp = lane >> 2, tig = lane & 3;
+    const int kvh = blockIdx.y;
+    // The last row tiles (the most keys) start first.
+    const int tile = gridDim.x - 1 - blockIdx.x;
+    const int rw = tile * FA_ROWS + warp * 16;  // this warp's first row
+
+    // Each of the lane's two rows (grp, grp + 8): its key range, empty past the last row.
+    int lo[2], hi[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int r = rw + grp + 8 * h;
+        lo[h] = 1;
+        hi[h] = 0;
+        if (r < rows) {
+            const int ps = pos[r / group];
+            lo[h] = window > 0 ? max(ps + 1 - window, 0) : 0;
+            hi[h] = min(ps, n_keys - 1);
+        }
+    }
+    // The warp's and the block's key ranges: the union of their rows'.
+    int wlo = min(lo[0] <= hi[0] ? lo[0] : 0x7fffffff, lo[1] <= hi[1] ? lo[1] : 0x7fffffff);
+    int whi = max(lo[0] <= hi[0] ? hi[0] : -1, lo[1] <= hi[1] ? hi[1] : -1);
+    wlo = __reduce_min_sync(FULL_MASK, wlo);
+    whi = __reduce_max_sync(FULL_MASK, whi);
+    if (lane == 0) {
+        range[0][warp] = wlo;
+        range[1][warp] = whi;
+    }
+    // The warp's query rows as A fragments (rows grp, grp + 8; dims 2 tig.., 2 tig + 8..).
+    u32 qa[HD / 16][4];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int r = rw + grp + 8 * h;
+        const u32* qr = (const u32*)(q + ((long long)kvh * q_rows + row0 + r) * HD);
+#pragma unroll
+        for (int k = 0; k < HD / 16; k++) {
+            qa[k][h] = r < rows ? qr[8 * k + tig] : 0u;
+            qa[k][2 + h] = r < rows ? qr[8 * k + 4 + tig] : 0u;
+        }
+    }
+    __syncthreads();
+    int k_lo = 0x7fffffff, k_hi = -1;
+#pragma unroll
+    for (int w = 0; w < FA_WARPS; w++) {
+        k_lo = min(k_lo, range[0][w]);
+        k_hi = max(k_hi, range[1][w]);
+    }
+
+    // Tile k0 into stage st, 16 bytes a copy (keys past k_hi zero).
+    const auto load_tile = [&](int k0, int st) {
+        bf16* kd = fa_smem + st * FA_STAGE;
+        bf16* vd = kd + FA_KT * FA_LD;
+#pragma unroll
+        for (int i = threadIdx.x; i < FA_KT * (HD / 8); i += FA_WARPS * 32) {
+            const int kk = i / (HD / 8), c = i % (HD / 8), key = k0 + kk;
+            const bool in = key <= k_hi;
+            const long long slot =
+                !in ? 0 : table ? (long long)table[key / bs] * bs + key % bs : key;
+            const long long g = (slot * n_kv + kvh) * HD + c * 8;
+            cp_async16(kd + kk * FA_LD + c * 8, kc + g, in);
+            cp_async16(vd + kk * FA_LD + c * 8, vc + g, in);
+        }
+        asm volatile("cp.async.commit_group;");
+    };
+
+    float o[HD / 8][4];
+#pragma unroll
+    for (int d = 0; d < HD / 8; d++) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.0f;
+    // Running max (in log2 units), and this lane's share of the row sums.
+    float mx[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
+
+    if (k_lo <= k_hi) load_tile(k_lo, 0);
+    int st = 0;
+    for (int k0 = k_lo; k0 <= k_hi; k0 += FA_KT, st ^= 1) {
+        if (k0 + FA_KT <= k_hi) {
+            load_tile(k0 + FA_KT, st ^ 1);
+            asm volatile("cp.async.wait_group 1;");
+        } else {
+            asm volatile("cp.async.wait_group 0;");
+        }
+        __syncthreads();  // tile k0 is in stage st for every thread
+        const bf16* ks = fa_smem + st * FA_STAGE;
+        const bf16* vs = ks + FA_KT * FA_LD;
+        if (k0 <= whi && k0 + FA_KT - 1 >= wlo) {  // warp-uniform: a key of this tile is the warp's
+            // S = Q K^T: 8 tiles of 8 keys; K rows are the B operand's columns (ldmatrix, no
+            // transpose: lane l addresses key 8 j + l % 8, dims 16 k + 8 (l / 8)).
+            float s[FA_KT / 8][4];
+#pragma unroll
+            for (int j = 0; j < FA_KT / 8; j++) {
+                s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+                const bf16* kr = ks + (8 * j + (lane & 7)) * FA_LD;
+#pragma unroll
+                for (int k = 0; k + 1 < HD / 16; k += 2) {
+                    u32 b0, b1, b2, b3;
+                    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                                 : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3)
+                                 : "r"(smem_addr(kr + 16 * k + 8 * (lane >> 3))));
+                    mma_bf16(s[j], qa[k][0], qa[k][1], qa[k][2], qa[k][3], b0, b1);
+                    mma_bf16(s[j], qa[k + 1][0], qa[k + 1][1], qa[k + 1][2], qa[k + 1][3], b2,
+                             b3);
+                }
+                if ((HD / 16) & 1) {
+                    constexpr int k = HD / 16 - 1;
+                    u32 b0, b1;
+                    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];"
+                                 : "=r"(b0), "=r"(b1)
+                                 : "r"(smem_addr(kr + 16 * k + 8 * ((lane >> 3) & 1))));
+                    mma_bf16(s[j], qa[k][0], qa[k][1], qa[k][2], qa[k][3], b0, b1);
+                }
+            }
+            // Mask, soft-cap, to log2 units; the tile's max per row (c0, c1: row grp; c2, c3:
+            // row grp + 8).
+            float tm[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+            for (int j = 0; j < FA_KT / 8; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int h = e >> 1, key = k0 + 8 * j + 2 * tig + (e & 1);
+                    float v = s[j][e];
+                    if (softcap > 0.0f) v = tanhf(v / softcap) * softcap;
+                    v = key >= lo[h] && key <= hi[h] ? v * LOG2E : NEG_INF;
+                    s[j][e] = v;
+                    tm[h] = fmaxf(tm[h], v);
+                }
+            float base[2];
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                tm[h] = fmaxf(tm[h], __shfl_xor_sync(FULL_MASK, tm[h], 1));
+                tm[h] = fmaxf(tm[h], __shfl_xor_sync(FULL_MASK, tm[h], 2));
+                const float m_new = fmaxf(mx[h], tm[h]);
+                base[h] = m_new == NEG_INF ? 0.0f : m_new;  // no key yet: every p is 0
+                const float alpha = exp2f(mx[h] - base[h]);  // 0 while mx is -inf
+                mx[h] = m_new;
+                l[h] *= alpha;
+#pragma unroll
+                for (int d = 0; d < HD / 8; d++) {
+                    o[d][2 * h] *= alpha;
+                    o[d][2 * h + 1] *= alpha;
+                }
+            }
+            // P (bf16, the A operand: keys 16 kk.. are tiles 2 kk and 2 kk + 1) times V
+            // (ldmatrix with transpose: lane l addresses key 16 kk + 8 ((l / 8) & 1) + l % 8,
+            // dims 8 d + 8 (l / 16)).
+#pragma unroll
+            for (int kk = 0; kk < FA_KT / 16; kk++) {
+                u32 pa[4];
+#pragma unroll
+                for (int t = 0; t < 2; t++) {
+                    const float* c = s[2 * kk + t];
+                    const u32 p01 = pack_bf2(exp2f(c[0] - base[0]), exp2f(c[1] - base[0]));
+                    const u32 p23 = pack_bf2(exp2f(c[2] - base[1]), exp2f(c[3] - base[1]));
+                    // The sums take the rounded weights the product uses.
+                    l[0] += bflo(p01) + bfhi(p01);
+                    l[1] += bflo(p23) + bfhi(p23);
+                    pa[2 * t] = p01;
+                    pa[2 * t + 1] = p23;
+                }
+                const bf16* vr =
+                    vs + (16 * kk + 8 * ((lane >> 3) & 1) + (lane & 7)) * FA_LD + 8 * (lane >> 4);
+#pragma unroll
+                for (int d = 0; d < HD / 8; d += 2) {
+                    u32 b0, b1, b2, b3;
+                    asm volatile(
+                        "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                        : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3)
+                        : "r"(smem_addr(vr + 8 * d)));
+                    mma_bf16(o[d], pa[0], pa[1], pa[2], pa[3], b0, b1);
+                    mma_bf16(o[d + 1], pa[0], pa[1], pa[2], pa[3], b2, b3);
+                }
+            }
+        }
+        __syncthreads();  // stage st is free for the tile after next
+    }
+    // The row sums over the quad's lanes; O / l as bf16 into [t][head][d].
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        l[h] += __shfl_xor_sync(FULL_MASK, l[h], 1);
+        l[h] += __shfl_xor_sync(FULL_MASK, l[h], 2);
+    }
+    const int n_heads = n_kv * group;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int r = rw + grp + 8 * h;
+        if (r >= rows) continue;
+        const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
+        const int t = r / group, head = kvh * group + r % group;
+        u32* orow = (u32*)(out + ((long long)t * n_heads + head) * HD);
+#pragma unroll
+        for (int d = 0; d < HD / 8; d++)
+            orow[4 * d + tig] = pack_bf2(o[d][2 * h] * inv, o[d][2 * h + 1] * inv);
+    }
+#else
+    __trap();
+#endif
+}
+
 // Prefill attention on tensor cores: S = Q K^T and O = P V run as cuBLAS batched GEMMs (one batch
 // per kv head, the group's query rows stacked: row r = t * group + j), with this kernel between.
 // Each stacked row of one kv head: masks (causal, sliding window), soft-caps and normalizes the

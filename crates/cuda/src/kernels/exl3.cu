@@ -261,13 +261,21 @@ __device__ __forceinline__ void rotate_in(const void* __restrict__ x, int x_bf16
 // from `cols` to `k` (the model's padding to 128s). x is f32 or bf16 (x_bf16), row stride ldx; xh
 // is f32 (the exact path) or fp16 (xh_f16: the tensor-core GEMM's operand; clamped to fp16's range,
 // as a real activation beyond it would already be inf in exllamav3's fp16). One warp per
-// 128-block; blocks of 4 warps.
+// 128-block; blocks of 4 warps. blockIdx.z picks the layer of up to three sharing the input
+// (suh, suh1, suh2), whose rows go `part_stride` elements apart in xh.
 extern "C" __global__ void __launch_bounds__(128) exl3_in(const void* __restrict__ x, int x_bf16,
                                                           int ldx, int cols,
                                                           const float* __restrict__ suh,
+                                                          const float* __restrict__ suh1,
+                                                          const float* __restrict__ suh2,
+                                                          unsigned long long part_stride,
                                                           void* __restrict__ xh, int xh_f16, int k,
                                                           int m) {
     const int lane = threadIdx.x & 31;
+    if (blockIdx.z > 0) {
+        suh = blockIdx.z == 1 ? suh1 : suh2;
+        xh = (char*)xh + (xh_f16 ? 2 : 4) * part_stride * blockIdx.z;
+    }
     const int blk = blockIdx.x * 4 + (threadIdx.x >> 5);
     if (blk * 128 >= k) return;
     const int c0 = blk * 128 + 4 * lane;
@@ -455,7 +463,7 @@ struct Part {
     const float* suh;
     const float* svh;
     const float* bias;
-    int rows, tiles_n, band, y_off;
+    int rows, tiles_n, band, y_off, index;
     int act, bands0;
     const float* svh_gate;
     const float* bias_gate;
@@ -467,12 +475,12 @@ __device__ __forceinline__ Part block_part(PART_PARAMS) {
     const int b = blockIdx.x;
     Part p;
     if (b < bands0) {
-        p = Part{t0, suh0, svh0, bias0, rows0, 8 * bands0, b, 0};
+        p = Part{t0, suh0, svh0, bias0, rows0, 8 * bands0, b, 0, 0};
     } else if (b < bands0 + bands1) {
-        p = Part{t1, suh1, svh1, bias1, rows1, 8 * bands1, b - bands0, rows0};
+        p = Part{t1, suh1, svh1, bias1, rows1, 8 * bands1, b - bands0, rows0, 1};
     } else {
         p = Part{t2,    suh2, svh2, bias2, rows2, 8 * ((int)gridDim.x - bands0 - bands1),
-                 b - bands0 - bands1, rows0 + rows1};
+                 b - bands0 - bands1, rows0 + rows1, 2};
     }
     p.act = act;
     p.bands0 = bands0;
@@ -564,7 +572,9 @@ __device__ __forceinline__ void finish_band(const float* __restrict__ partial,
 // back and scales. Grid (n / 128, splits), 8 warps; warp w takes tile column 8 blockIdx.x + w.
 template <int MT, bool FULL>
 __device__ __forceinline__ void mma_layer(const Part& p, const void* __restrict__ x, int x_bf16,
-                                          int ldx, int cols, float* __restrict__ partial,
+                                          int ldx, int cols,
+                                          const unsigned short* __restrict__ xh_pre,
+                                          float* __restrict__ partial,
                                           u32* __restrict__ counters, float* __restrict__ y,
                                           int ldy, int tiles_k, int tk_per_split, int m) {
     __shared__ __align__(16) unsigned short xs[XS_HALVES];
@@ -581,8 +591,20 @@ __device__ __forceinline__ void mma_layer(const Part& p, const void* __restrict_
     const int ks = kw + 8;
     const long long n = (long long)gridDim.x * 128;
 
-    // xs[r][0..kw) = fp16(H128(x[r] * suh)) over this split's inputs.
+    // xs[r][0..kw) = fp16(H128(x[r] * suh)) over this split's inputs: rotated here, or copied
+    // from xh_pre (exl3_in's output for the m rows of every part, m rows of 16 tiles_k a part),
+    // which is cheaper for many rows: every band's blocks would rotate the same inputs again.
     const auto prologue = [&]() {
+        if (xh_pre) {
+            const int k = 16 * tiles_k;
+            const unsigned short* src = xh_pre + (long long)p.index * m * k + 16 * tk0;
+            for (int i = threadIdx.x; i < m * (kw / 8); i += 32 * EXL3_WARPS) {
+                const int r = i / (kw / 8), c = 8 * (i - r * (kw / 8));
+                *(uint4*)&xs[r * ks + c] = __ldcg((const uint4*)(src + (long long)r * k + c));
+            }
+            __syncthreads();
+            return;
+        }
         const int blocks = kw / 128;
         for (int job = warp; job < m * blocks; job += EXL3_WARPS) {
             const int r = job / blocks, b = job - r * blocks;
@@ -695,16 +717,19 @@ __device__ __forceinline__ void mma_layer(const Part& p, const void* __restrict_
 #define EXL3_MMA(name, MT, FULL, MIN_BLOCKS)                                                      \
     extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS)                                 \
         name(PART_PARAMS, const void* __restrict__ x, int x_bf16, int ldx, int cols,              \
-             float* __restrict__ partial, u32* __restrict__ counters, float* __restrict__ y,      \
-             int ldy, int tiles_k, int tk_per_split, int m) {                                     \
-        mma_layer<MT, FULL>(block_part(PART_ARGS), x, x_bf16, ldx, cols, partial, counters, y,    \
-                            ldy, tiles_k, tk_per_split, m);                                       \
+             const unsigned short* __restrict__ xh_pre, float* __restrict__ partial,              \
+             u32* __restrict__ counters, float* __restrict__ y, int ldy, int tiles_k,             \
+             int tk_per_split, int m) {                                                           \
+        mma_layer<MT, FULL>(block_part(PART_ARGS), x, x_bf16, ldx, cols, xh_pre, partial,         \
+                            counters, y, ldy, tiles_k, tk_per_split, m);                          \
     }
 // The one-tile kernels bounded for MMA_MIN_BLOCKS blocks per SM; the wider ones' accumulators
-// need more registers than that leaves (they would spill).
+// need more registers than that leaves (they would spill). The 32-row kernel fits 80 registers
+// (3 blocks an SM) except at K = 8, where that spills.
+#define MMA32_MIN_BLOCKS (EXL3_TWICE >= 16 ? 2 : 3)
 EXL3_MMA(exl3_mma8, 1, false, MMA_MIN_BLOCKS)
 EXL3_MMA(exl3_mma16, 1, true, MMA_MIN_BLOCKS)
-EXL3_MMA(exl3_mma32, 2, true, 1)
+EXL3_MMA(exl3_mma32, 2, true, MMA32_MIN_BLOCKS)
 EXL3_MMA(exl3_mma64, 4, true, 1)
 
 // The fast path (MUL1 only): one row's whole layer in one launch, as exllamav3's default int8
@@ -722,7 +747,7 @@ EXL3_MMA(exl3_mma64, 4, true, 1)
 #define MUL1_B (1024.0f * (1774.0f / 262144.0f) - 1329.0f / 128.0f)
 extern "C" __global__ void __launch_bounds__(256, MMA_MIN_BLOCKS)
 exl3_q8(PART_PARAMS, const void* __restrict__ x, int x_bf16, int ldx, int cols,
-        float* __restrict__ partial, u32* __restrict__ counters, float* __restrict__ y, int ldy,
+        const unsigned short* __restrict__ xh_pre /* unused: one launcher */, float* __restrict__ partial, u32* __restrict__ counters, float* __restrict__ y, int ldy,
         int tiles_k, int tk_per_split, int m) {
 #if EXL3_CB == 2
     __shared__ __align__(16) signed char xq[XS_HALVES];

@@ -60,6 +60,7 @@ pub const ATTENTION: KernelSource = KernelSource {
     functions: &[
         "attn_partial",
         "attn_combine",
+        "attn_prefill",
         "attn_softmax",
         "attn_unstack",
         "kv_gather",
