@@ -94,8 +94,10 @@ pub const MMA_ROWS: usize = 64;
 
 /// Rows from which the tensor-core GEMV's inputs are rotated by one `exl3_in` launch for all of
 /// a launch's parts instead of inside each block (whose prologue would rotate the same rows
-/// again for every band: at 32 rows that was ~30% of the layer's instructions).
-pub const PREROTATE_ROWS: usize = 9;
+/// again for every band: at 32 rows that was ~30% of the layer's instructions). Measured end to
+/// end (H200, 8B shape, K = 3, S_TG): rotating once is 2-4% slower at 2 and 4 rows, 2-7% faster
+/// at 5-8 (`results/2026-12-02-s10-prerotate-ab.jsonl`).
+pub const PREROTATE_ROWS: usize = 5;
 
 /// Rows from which a layer runs as decode-to-fp16 + cuBLAS GEMM.
 pub const GEMM_MIN_ROWS: usize = MMA_ROWS + 1;
