@@ -594,8 +594,10 @@ const SS_BUCKETS: usize = 16;
 /// Query rows per attention block (`ATT_ROWS` in attention.cu).
 const ATT_ROWS: usize = 4;
 const ARGMAX_BLOCKS: usize = 128;
-/// Positions per block of a paged KV cache (the engine's `BLOCK_SIZE`).
+/// Positions per block of a paged KV cache (the engine's `BLOCK_SIZE`; a power of two:
+/// `attn_prefill` takes a position's block by a shift).
 pub const KV_BLOCK: usize = 16;
+const _: () = assert!(KV_BLOCK.is_power_of_two());
 /// Most sequences one pass of a batch step takes (the step is split into passes beyond).
 pub const MAX_SEQS: usize = 64;
 

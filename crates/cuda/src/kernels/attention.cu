@@ -371,6 +371,9 @@ attn_prefill(const bf16* __restrict__ q, int q_rows, int row0, int rows,
     int whi = max(lo[0] <= hi[0] ? hi[0] : -1, lo[1] <= hi[1] ? hi[1] : -1);
     wlo = __reduce_min_sync(FULL_MASK, wlo);
     whi = __reduce_max_sync(FULL_MASK, whi);
+    // Keys every row of the warp sees (an empty row sees none): tiles inside need no mask.
+    const int all_lo = __reduce_max_sync(FULL_MASK, max(lo[0], lo[1]));
+    const int all_hi = __reduce_min_sync(FULL_MASK, min(hi[0], hi[1]));
     if (lane == 0) {
         range[0][warp] = wlo;
         range[1][warp] = whi;
@@ -395,6 +398,7 @@ attn_prefill(const bf16* __restrict__ q, int q_rows, int row0, int rows,
         k_hi = max(k_hi, range[1][w]);
     }
 
+    const int bs_shift = __ffs(bs) - 1;  // blocks of a power-of-two size
     // Tile k0 into stage st, 16 bytes a copy (keys past k_hi zero).
     const auto load_tile = [&](int k0, int st) {
         bf16* kd = fa_smem + st * FA_STAGE;
@@ -404,7 +408,7 @@ attn_prefill(const bf16* __restrict__ q, int q_rows, int row0, int rows,
             const int kk = i / (HD / 8), c = i % (HD / 8), key = k0 + kk;
             const bool in = key <= k_hi;
             const long long slot =
-                !in ? 0 : table ? (long long)table[key / bs] * bs + key % bs : key;
+                !in ? 0 : table ? (long long)table[key >> bs_shift] * bs + (key & (bs - 1)) : key;
             const long long g = (slot * n_kv + kvh) * HD + c * 8;
             cp_async16(kd + kk * FA_LD + c * 8, kc + g, in);
             cp_async16(vd + kk * FA_LD + c * 8, vc + g, in);
@@ -460,17 +464,29 @@ attn_prefill(const bf16* __restrict__ q, int q_rows, int row0, int rows,
             // Mask, soft-cap, to log2 units; the tile's max per row (c0, c1: row grp; c2, c3:
             // row grp + 8).
             float tm[2] = {NEG_INF, NEG_INF};
+            if (k0 >= all_lo && k0 + FA_KT - 1 <= all_hi) {  // warp-uniform
 #pragma unroll
-            for (int j = 0; j < FA_KT / 8; j++)
+                for (int j = 0; j < FA_KT / 8; j++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int h = e >> 1, key = k0 + 8 * j + 2 * tig + (e & 1);
-                    float v = s[j][e];
-                    if (softcap > 0.0f) v = tanhf(v / softcap) * softcap;
-                    v = key >= lo[h] && key <= hi[h] ? v * LOG2E : NEG_INF;
-                    s[j][e] = v;
-                    tm[h] = fmaxf(tm[h], v);
-                }
+                    for (int e = 0; e < 4; e++) {
+                        float v = s[j][e];
+                        if (softcap > 0.0f) v = tanhf(v / softcap) * softcap;
+                        s[j][e] = v * LOG2E;
+                        tm[e >> 1] = fmaxf(tm[e >> 1], s[j][e]);
+                    }
+            } else {
+#pragma unroll
+                for (int j = 0; j < FA_KT / 8; j++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const int h = e >> 1, key = k0 + 8 * j + 2 * tig + (e & 1);
+                        float v = s[j][e];
+                        if (softcap > 0.0f) v = tanhf(v / softcap) * softcap;
+                        v = key >= lo[h] && key <= hi[h] ? v * LOG2E : NEG_INF;
+                        s[j][e] = v;
+                        tm[h] = fmaxf(tm[h], v);
+                    }
+            }
             float base[2];
 #pragma unroll
             for (int h = 0; h < 2; h++) {
