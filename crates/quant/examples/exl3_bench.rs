@@ -119,8 +119,13 @@ fn main() {
         print("dot", name, "", &r);
     }
     for &cb in &cbs {
-        for bits in [2u32, 3, 4] {
-            let rt = Bitrate::int(bits);
+        for rt in [
+            Bitrate::int(2),
+            Bitrate::half(2),
+            Bitrate::int(3),
+            Bitrate::int(4),
+        ] {
+            let bits = rt.bits().to_string();
             let shape = Exl3Shape::from_trellis(&[k / 16, n / 16, rt.tile_words()], cb).unwrap();
             let trellis: Vec<u8> = (0..shape.trellis_bytes()).map(|_| next() as u8).collect();
             for &level in &levels {
@@ -134,7 +139,7 @@ fn main() {
                         })
                     })
                     .collect();
-                print(level.name(), &format!("{cb:?}"), &bits.to_string(), &r);
+                print(level.name(), &format!("{cb:?}"), &bits, &r);
                 std::hint::black_box(&trellis);
             }
             if cb == Codebook::Mul1 && exl3::simd::q8_available() {
@@ -160,7 +165,7 @@ fn main() {
                     .map(|(p, q)| ((p - q) as f64).powi(2))
                     .sum();
                 let y2: f64 = a.iter().map(|p| (*p as f64).powi(2)).sum();
-                print("q8-vnni", &format!("{cb:?}"), &bits.to_string(), &r);
+                print("q8-vnni", &format!("{cb:?}"), &bits, &r);
                 println!(
                     "{:>18} rel. RMS error vs exact: {:.2e}",
                     "",
