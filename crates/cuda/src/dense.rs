@@ -1842,7 +1842,6 @@ impl DenseModel {
             }
             for seg in &segs {
                 if let Some(flash) = &f.attn_prefill {
-                    let group = c.n_heads / c.n_kv_heads;
                     flash.launch(
                         g,
                         &FlashSegment {

@@ -753,26 +753,7 @@ impl Exl3Linear {
     }
 
     fn launch_input(&self, gpu: &Gpu, m: usize, x: Rows, xh: u64, f16: bool) -> Result<()> {
-        let k = self.shape.k;
-        gpu.launch(
-            &self.k.input,
-            ((k / 128).div_ceil(4) as u32, m.div_ceil(IN_ROWS) as u32, 1),
-            128,
-            &[
-                Arg::Ptr(x.ptr),
-                Arg::I32(x.bf16 as i32),
-                Arg::I32(x.ld as i32),
-                Arg::I32(self.cols as i32),
-                Arg::Ptr(gpu.ptr(&self.suh)),
-                Arg::Ptr(0),
-                Arg::Ptr(0),
-                Arg::U64(0),
-                Arg::Ptr(xh),
-                Arg::I32(f16 as i32),
-                Arg::I32(k as i32),
-                Arg::I32(m as i32),
-            ],
-        )
+        launch_input(gpu, &[self], m, x, xh, f16)
     }
 
     fn launch_output(
@@ -994,37 +975,14 @@ fn launch_rows(
         "EXL3 scratch too small for {m} rows of {}x{n}",
         shape.k
     );
-    let k = shape.k;
     let xh_pre = if m >= s.prerotate_rows {
         ensure!(
-            s.xh16.len() >= parts.len() * m * k,
-            "EXL3 scratch too small for {m} rotated rows of {k}"
+            s.xh16.len() >= parts.len() * m * shape.k,
+            "EXL3 scratch too small for {m} rotated rows of {}",
+            shape.k
         );
-        let suh = |i: usize| parts.get(i).map_or(0, |l| gpu.ptr(&l.suh));
         let xh = gpu.ptr(&s.xh16);
-        gpu.launch(
-            &parts[0].k.input,
-            (
-                (k / 128).div_ceil(4) as u32,
-                m.div_ceil(IN_ROWS) as u32,
-                parts.len() as u32,
-            ),
-            128,
-            &[
-                Arg::Ptr(x.ptr),
-                Arg::I32(x.bf16 as i32),
-                Arg::I32(x.ld as i32),
-                Arg::I32(parts[0].cols as i32),
-                Arg::Ptr(suh(0)),
-                Arg::Ptr(suh(1)),
-                Arg::Ptr(suh(2)),
-                Arg::U64((m * k) as u64),
-                Arg::Ptr(xh),
-                Arg::I32(1),
-                Arg::I32(k as i32),
-                Arg::I32(m as i32),
-            ],
-        )?;
+        launch_input(gpu, parts, m, x, xh, true)?;
         xh
     } else {
         0
@@ -1045,6 +1003,43 @@ fn launch_rows(
         Arg::I32(m as i32),
     ]);
     gpu.launch(f, (bands as u32, splits as u32, 1), 256, &args)
+}
+
+/// `exl3_in`: the input Hadamard, xh = H128(x * suh), of `m` rows for each of `parts` (up to
+/// [`MAX_PARTS`] layers of one input, `m` rows of k apart in xh), f32 or fp16 (`f16`).
+fn launch_input(
+    gpu: &Gpu,
+    parts: &[&Exl3Linear],
+    m: usize,
+    x: Rows,
+    xh: u64,
+    f16: bool,
+) -> Result<()> {
+    let k = parts[0].shape.k;
+    let suh = |i: usize| parts.get(i).map_or(0, |l| gpu.ptr(&l.suh));
+    gpu.launch(
+        &parts[0].k.input,
+        (
+            (k / 128).div_ceil(4) as u32,
+            m.div_ceil(IN_ROWS) as u32,
+            parts.len() as u32,
+        ),
+        128,
+        &[
+            Arg::Ptr(x.ptr),
+            Arg::I32(x.bf16 as i32),
+            Arg::I32(x.ld as i32),
+            Arg::I32(parts[0].cols as i32),
+            Arg::Ptr(suh(0)),
+            Arg::Ptr(suh(1)),
+            Arg::Ptr(suh(2)),
+            Arg::U64((m * k) as u64),
+            Arg::Ptr(xh),
+            Arg::I32(f16 as i32),
+            Arg::I32(k as i32),
+            Arg::I32(m as i32),
+        ],
+    )
 }
 
 fn check_dims(shape: &Exl3Shape, rows: usize, cols: usize) -> Result<()> {

@@ -354,12 +354,8 @@ gemm_rows8(const bf16* __restrict__ W, const bf16* __restrict__ x, float* __rest
 #pragma unroll
         for (int q = 0; q < 4; q++) {
             const int u = q >> 1, s = 2 * (q & 1);
-            asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
-                "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
-                : "r"(word_of(w[0][u], s)), "r"(word_of(w[1][u], s)),
-                  "r"(word_of(w[0][u], s + 1)), "r"(word_of(w[1][u], s + 1)),
-                  "r"(word_of(xv[u], s)), "r"(word_of(xv[u], s + 1)));
+            mma_bf16(acc, word_of(w[0][u], s), word_of(w[1][u], s), word_of(w[0][u], s + 1),
+                     word_of(w[1][u], s + 1), word_of(xv[u], s), word_of(xv[u], s + 1));
         }
     };
     // Two chunks in turn, one in flight while the other is multiplied.

@@ -20,6 +20,11 @@ __device__ __forceinline__ bf16 f2bf(float f) {
     return (bf16)(u >> 16);
 }
 
+// The shared-memory address of `p` (a pointer into this block's shared memory).
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    return (u32)__cvta_generic_to_shared(p);
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
@@ -91,15 +96,23 @@ __device__ __forceinline__ u32 cluster_size() {
 }
 // `p` points into this block's shared memory; the same variable in block `rank` is read.
 __device__ __forceinline__ float ld_cluster(const float* p, u32 rank) {
-    u64 s;
-    asm("cvta.to.shared.u64 %0, %1;" : "=l"(s) : "l"((u64)p));
     u32 a;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"((u32)s), "r"(rank));
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(smem_addr(p)), "r"(rank));
     float v;
     asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(a) : "memory");
     return v;
 }
 #endif
+
+// c += A B on tensor cores, one m16n8k16 tile: bf16 operands (A row-major a0..a3, B column-major
+// b0, b1, as packed pairs), f32 accumulators.
+__device__ __forceinline__ void mma_bf16(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
+                                         u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
 
 // A 16-byte read-only load through L1 (activation vectors every warp of a block reads).
 __device__ __forceinline__ uint4 ld_nc(const void* p) {
