@@ -603,7 +603,8 @@ pub const MAX_SEQS: usize = 64;
 
 /// The decoder's sizes and thresholds; the defaults are the measured best on the H200
 /// (scripts/gpu/NOTES.md). What measured worse was deleted rather than kept behind a switch: PDL
-/// (+0.1 ms a token in every configuration, runs 5-12), last-block residual + norm (+1.1 ms,
+/// on the bf16 GEMVs (+0.1 ms a token in every configuration, runs 5-12; the small kernels and
+/// the EXL3 layers do use it, `KernelSource::dependent_launch`), last-block residual + norm (+1.1 ms,
 /// run 5), last-block attention combine (+0.28 ms), bf16 gate/up in prefill, fixed-size decode
 /// splits over the whole cache, CUDA-core prefill attention.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -24,7 +24,7 @@ pub mod nccl;
 pub mod nvrtc;
 pub mod viterbi;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
@@ -101,6 +101,9 @@ pub struct Gpu {
     modules: Mutex<HashMap<String, Arc<CudaModule>>>,
     /// Kernel names by function handle, for the profile.
     names: Mutex<HashMap<usize, String>>,
+    /// Function handles launched with programmatic dependent launch (sources marked
+    /// `dependent_launch`, sm_90+).
+    dependent: Mutex<HashSet<usize>>,
     /// While profiling: every launch and cuBLAS call since [`Gpu::start_profile`], between two
     /// events.
     profile: Mutex<Option<Vec<(String, CudaEvent, CudaEvent)>>>,
@@ -146,6 +149,7 @@ impl Gpu {
             sm_count,
             modules: Mutex::new(HashMap::new()),
             names: Mutex::new(HashMap::new()),
+            dependent: Mutex::new(HashSet::new()),
             profile: Mutex::new(None),
         })
     }
@@ -181,6 +185,12 @@ impl Gpu {
             .lock()
             .unwrap()
             .insert(f.cu_function() as usize, name.to_string());
+        if self.sm90_or_newer() && source.dependent_launch {
+            self.dependent
+                .lock()
+                .unwrap()
+                .insert(f.cu_function() as usize);
+        }
         Ok(f)
     }
 
@@ -321,6 +331,21 @@ impl Gpu {
             .map(|v| v as *mut u64 as *mut c_void)
             .collect();
         let mut attrs = Vec::new();
+        if self
+            .dependent
+            .lock()
+            .unwrap()
+            .contains(&(f.cu_function() as usize))
+        {
+            // SAFETY: an all-zero union is a valid value; the field is then set.
+            let mut value: dsys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
+            value.programmaticStreamSerializationAllowed = 1;
+            attrs.push(dsys::CUlaunchAttribute {
+                id: dsys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+                pad: [0; 4],
+                value,
+            });
+        }
         if let Some((x, y, z)) = cluster {
             // SAFETY: as above.
             let mut value: dsys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };

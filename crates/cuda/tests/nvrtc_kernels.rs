@@ -83,6 +83,7 @@ fn a_broken_kernel_reports_its_error() {
         functions: &["k"],
         hot: false,
         variants: &[],
+        dependent_launch: false,
     };
     let err = nvrtc::compile(&bad, &[], ARCH, false)
         .err()
@@ -91,4 +92,26 @@ fn a_broken_kernel_reports_its_error() {
         format!("{err:#}").contains("undefined_name"),
         "the log names the error: {err:#}"
     );
+}
+
+/// A kernel launched with programmatic dependent launch may start while the one before still
+/// runs: sources launched that way wait (`pdl_wait`), and sources that never wait are not.
+/// (Kernels defined through a macro or sharing a helper wait once in the text, so this counts
+/// sources, not kernels: review checks each kernel.)
+#[test]
+fn dependent_launch_matches_the_waits() {
+    for k in kernels::ALL {
+        assert_eq!(
+            k.dependent_launch,
+            k.source.contains("pdl_wait();"),
+            "{}: dependent_launch is {} but its source {} pdl_wait",
+            k.name,
+            k.dependent_launch,
+            if k.dependent_launch {
+                "never calls"
+            } else {
+                "calls"
+            }
+        );
+    }
 }

@@ -95,6 +95,7 @@ attn_partial(const float* __restrict__ q, const bf16* __restrict__ kc, const bf1
              int window, float softcap, int n_splits, float* __restrict__ part_acc,
              float* __restrict__ part_ml, bf16* __restrict__ out, const int* __restrict__ tables,
              const int* __restrict__ table_off, int bs) {
+    pdl_wait();
     __shared__ float qs[ATT_ROWS][HD];
     __shared__ u32 ks[KT * KW];
     __shared__ __align__(16) u32 vs[KT * VW];
@@ -255,6 +256,7 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part_acc,
                                         const float* __restrict__ part_ml, int n_splits,
                                         const int* __restrict__ tok_idx, int n_heads,
                                         bf16* __restrict__ out) {
+    pdl_wait();
     const long long row = blockIdx.x;
     const int ti = (int)(row / n_heads), h = (int)(row % n_heads);
     const long long out_row = (long long)(tok_idx ? tok_idx[ti] : ti) * n_heads + h;
@@ -333,6 +335,7 @@ attn_prefill(const bf16* __restrict__ q, int q_rows, int row0, int rows,
              const bf16* __restrict__ kc, const bf16* __restrict__ vc, const int* __restrict__ table,
              int bs, int n_kv, int n_keys, const int* __restrict__ pos, int group, int window,
              float softcap, bf16* __restrict__ out) {
+    pdl_wait();
 #if FA_OK
     extern __shared__ __align__(16) bf16 fa_smem[];  // two stages
     __shared__ int range[2][FA_WARPS];
@@ -567,6 +570,7 @@ __device__ __forceinline__ float score(float v, float softcap) {
 extern "C" __global__ void __launch_bounds__(SM_WARPS * 32)
 attn_softmax(const float* __restrict__ s, int ld, int n_keys, int rows, const int* __restrict__ pos,
              int t0, int group, int window, float softcap, bf16* __restrict__ p) {
+    pdl_wait();
     const int lane = threadIdx.x & 31;
     const int r = blockIdx.x * SM_WARPS + (threadIdx.x >> 5);
     if (r >= rows) return;  // whole warps
@@ -630,6 +634,7 @@ attn_softmax(const float* __restrict__ s, int ld, int n_keys, int rows, const in
 // for tokens t0 .. t0 + gridDim.x of the m stacked ones.
 extern "C" __global__ void attn_unstack(const bf16* __restrict__ o, int m, int n_kv, int group,
                                         int t0, bf16* __restrict__ out) {
+    pdl_wait();
     const int t = t0 + blockIdx.x;
     const int n_heads = n_kv * group;
     for (int i = threadIdx.x; i < n_heads * (HD / 8); i += blockDim.x) {
@@ -645,6 +650,7 @@ extern "C" __global__ void attn_unstack(const bf16* __restrict__ o, int m, int n
 extern "C" __global__ void kv_gather(const bf16* __restrict__ kc, const bf16* __restrict__ vc,
                                      const int* __restrict__ table, int bs, int kv_dim,
                                      bf16* __restrict__ k_out, bf16* __restrict__ v_out) {
+    pdl_wait();
     const int p = blockIdx.x;
     const long long src = ((long long)table[p / bs] * bs + p % bs) * kv_dim;
     const long long dst = (long long)p * kv_dim;

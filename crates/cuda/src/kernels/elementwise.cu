@@ -4,6 +4,7 @@
 // x[t] = table[tokens[t]] * scale, one block per token.
 extern "C" __global__ void embed_rows(const int* __restrict__ tokens, const bf16* __restrict__ table,
                                       int h, float scale, float* __restrict__ x) {
+    pdl_wait();
     const long long t = blockIdx.x;
     const bf16* row = table + (long long)tokens[t] * h;
     for (int i = threadIdx.x; i < h; i += blockDim.x) x[t * h + i] = bf2f(row[i]) * scale;
@@ -44,6 +45,7 @@ __device__ __forceinline__ void norm_one(const float* v, int n, const float* w, 
 extern "C" __global__ void norm_rows(float* x, int x_stride, int n, const float* __restrict__ w,
                                      const float* __restrict__ b, float eps, int layer,
                                      float* out_f32, bf16* out_bf16, int out_stride) {
+    pdl_wait();
     __shared__ float scratch[33];
     const long long r = blockIdx.x;
     norm_one(x + r * x_stride, n, w, b, eps, layer, out_f32 ? out_f32 + r * x_stride : 0,
@@ -61,6 +63,7 @@ extern "C" __global__ void residual_norm(float* __restrict__ x, float* __restric
                                          float rscale, const float* __restrict__ nw,
                                          const float* __restrict__ nb, float eps, int layer,
                                          bf16* __restrict__ xn) {
+    pdl_wait();
     __shared__ float scratch[33];
     const long long r = blockIdx.x;
     float* xr = x + r * h;
@@ -130,6 +133,7 @@ extern "C" __global__ void residual_norm(float* __restrict__ x, float* __restric
 // is a multiple of 4 and gu is f32).
 extern "C" __global__ void act_rows(const float* __restrict__ gf, const float* __restrict__ bias,
                                     int ff, int gated, int act, bf16* __restrict__ out) {
+    pdl_wait();
     const long long r = blockIdx.y;
     const int i0 = (blockIdx.x * blockDim.x + threadIdx.x) * 4;
     if (i0 >= ff) return;
@@ -178,6 +182,7 @@ __device__ __forceinline__ u32 float_key(float f) {
 // (value key, lowest index) packed in a u64 for the final pass.
 extern "C" __global__ void logits_argmax_partial(float* __restrict__ logits, int n, float softcap,
                                                  float divisor, u64* __restrict__ partial) {
+    pdl_wait();
     __shared__ u64 best_w[32];
     u64 best = 0;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
@@ -206,6 +211,7 @@ extern "C" __global__ void logits_argmax_partial(float* __restrict__ logits, int
 extern "C" __global__ void argmax_final(const u64* __restrict__ partial, int n_partial,
                                         int* __restrict__ token, int* pos, int* history,
                                         int* count) {
+    pdl_wait();
     u64 best = 0;
     for (int i = threadIdx.x; i < n_partial; i += 32) best = partial[i] > best ? partial[i] : best;
 #pragma unroll
@@ -226,6 +232,7 @@ extern "C" __global__ void argmax_final(const u64* __restrict__ partial, int n_p
 
 // Seeded uniform values in [-scale, scale) as bf16 (splitmix64 of the index).
 extern "C" __global__ void fill_uniform_bf16(bf16* __restrict__ p, u64 n, u64 seed, float scale) {
+    pdl_wait();
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
         u64 z = seed + (i + 1) * 0x9e3779b97f4a7c15ull;
         z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
@@ -238,6 +245,7 @@ extern "C" __global__ void fill_uniform_bf16(bf16* __restrict__ p, u64 n, u64 se
 
 // Seeded random 32-bit words (synthetic EXL3 trellis: every bit pattern is a valid code).
 extern "C" __global__ void fill_random_u32(u32* __restrict__ p, u64 n, u64 seed) {
+    pdl_wait();
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
         u64 z = seed + (i + 1) * 0x9e3779b97f4a7c15ull;
         z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
@@ -247,12 +255,14 @@ extern "C" __global__ void fill_random_u32(u32* __restrict__ p, u64 n, u64 seed)
 }
 
 extern "C" __global__ void fill_f32(float* __restrict__ p, u64 n, float v) {
+    pdl_wait();
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
         p[i] = v;
 }
 
 // Busy-waits `ns` nanoseconds of the global timer (lets a profile queue its work first).
 extern "C" __global__ void spin_ns(u64 ns) {
+    pdl_wait();
     u64 t0, t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
     do {
@@ -264,6 +274,7 @@ extern "C" __global__ void spin_ns(u64 ns) {
 // out[r] = x[rows[r]] for rows of n bf16 values (the rows whose logits a batch wants).
 extern "C" __global__ void gather_rows(const bf16* __restrict__ x, const int* __restrict__ rows,
                                        int n, bf16* __restrict__ out) {
+    pdl_wait();
     const long long src = (long long)rows[blockIdx.x] * n, dst = (long long)blockIdx.x * n;
     for (int i = threadIdx.x; i < n; i += blockDim.x) out[dst + i] = x[src + i];
 }

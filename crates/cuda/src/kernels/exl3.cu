@@ -271,6 +271,7 @@ extern "C" __global__ void __launch_bounds__(128) exl3_in(const void* __restrict
                                                           unsigned long long part_stride,
                                                           void* __restrict__ xh, int xh_f16, int k,
                                                           int m) {
+    pdl_wait();
     const int lane = threadIdx.x & 31;
     if (blockIdx.z > 0) {
         suh = blockIdx.z == 1 ? suh1 : suh2;
@@ -309,6 +310,7 @@ __device__ __forceinline__ void gemv_rows(const u32* __restrict__ trellis,
                                           const float* __restrict__ xh,
                                           float* __restrict__ partial, int tiles_k, int tiles_n,
                                           int tk_per_split, int m) {
+    pdl_wait();
     const int lane = threadIdx.x & 31;
     const int tn = blockIdx.x * EXL3_WARPS + (threadIdx.x >> 5);
     const int tk0 = blockIdx.y * tk_per_split;
@@ -422,10 +424,12 @@ __device__ __forceinline__ void stream_tiles(const u32* __restrict__ tl, long lo
             tile(cur, tk + d);
         }
     };
-    // The first two steps' words are in flight while the prologue runs (the block's inputs).
+    // The first two steps' words are in flight while the kernel before finishes (pdl_wait) and the
+    // prologue runs (the block's inputs).
     u32 wa[MMA_DEPTH][OWN], wb[MMA_DEPTH][OWN];
     load(tl, wa);
     load(tl + MMA_DEPTH * stride, wb);
+    pdl_wait();
     prologue();
     for (int tk = tk0; tk < tk1; tk += 2 * MMA_DEPTH) {
         step(wa, tk);
@@ -833,6 +837,7 @@ extern "C" __global__ void __launch_bounds__(128) exl3_out(const float* __restri
                                                            const float* __restrict__ bias,
                                                            float* __restrict__ y, int ldy,
                                                            int rows) {
+    pdl_wait();
     const int lane = threadIdx.x & 31;
     const int blk = blockIdx.x * 4 + (threadIdx.x >> 5);
     const long long r = blockIdx.y;
@@ -890,6 +895,7 @@ extern "C" __global__ void __launch_bounds__(256) exl3_dequant(const u32* __rest
                                                                void* __restrict__ w, int w_f16,
                                                                int tiles_n, int band0, int ld,
                                                                const float* __restrict__ svh) {
+    pdl_wait();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int tc = blockIdx.x * EXL3_WARPS + warp;
     const int tn = band0 * EXL3_WARPS + tc;

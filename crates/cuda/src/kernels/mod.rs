@@ -17,6 +17,9 @@ pub struct KernelSource {
     pub hot: bool,
     /// Compile-time variants CI checks (`-D` defines), besides none.
     pub variants: &'static [&'static str],
+    /// Whether its kernels are launched with programmatic dependent launch: each calls
+    /// `pdl_wait()` (prelude) before it touches memory an earlier kernel may still write or read.
+    pub dependent_launch: bool,
 }
 
 impl KernelSource {
@@ -44,6 +47,7 @@ pub const ELEMENTWISE: KernelSource = KernelSource {
     ],
     hot: true,
     variants: &[],
+    dependent_launch: true,
 };
 
 pub const ROPE: KernelSource = KernelSource {
@@ -52,6 +56,7 @@ pub const ROPE: KernelSource = KernelSource {
     functions: &["qkv_rope"],
     hot: true,
     variants: &[],
+    dependent_launch: true,
 };
 
 pub const ATTENTION: KernelSource = KernelSource {
@@ -74,6 +79,7 @@ pub const ATTENTION: KernelSource = KernelSource {
         "HEAD_DIM=128",
         "HEAD_DIM=256",
     ],
+    dependent_launch: true,
 };
 
 pub const GEMV: KernelSource = KernelSource {
@@ -89,6 +95,7 @@ pub const GEMV: KernelSource = KernelSource {
     ],
     hot: true,
     variants: &[],
+    dependent_launch: false,
 };
 
 /// EXL3 trellis layers (launcher: [`crate::exl3`]); one module per codebook x bitrate.
@@ -108,6 +115,7 @@ pub const EXL3: KernelSource = KernelSource {
     ],
     hot: true,
     variants: crate::exl3::VARIANTS,
+    dependent_launch: true,
 };
 
 /// The EXL3 tile encoder (launcher: [`crate::viterbi`]); one module per K.
@@ -117,6 +125,7 @@ pub const VITERBI: KernelSource = KernelSource {
     functions: &["viterbi_tiles"],
     hot: true,
     variants: crate::viterbi::VARIANTS,
+    dependent_launch: false,
 };
 
 /// Every kernel source.

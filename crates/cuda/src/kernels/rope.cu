@@ -14,6 +14,7 @@ qkv_rope(const float* __restrict__ qkv, const float* __restrict__ bias, const in
          int interleaved, float pos_scale, float in_scale, float q_scale, float* __restrict__ q_out,
          bf16* __restrict__ k_cache, bf16* __restrict__ v_cache, bf16* __restrict__ q_stacked,
          const int* __restrict__ tables, const int* __restrict__ table_off, int bs) {
+    pdl_wait();
     __shared__ float buf[ROPE_WARPS][MAX_HD];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int head = blockIdx.y * ROPE_WARPS + warp;
