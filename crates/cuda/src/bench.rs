@@ -80,8 +80,10 @@ pub struct BenchReport {
     pub decode_bytes_per_s: f64,
     /// Decode, ms per token (median over the repetitions).
     pub decode_ms: f64,
-    /// Replay of the linear layers alone over the same weights (ms).
+    /// Replay of the linear layers alone over the same weights, the output head included (ms).
     pub gemv_only_ms: f64,
+    /// The same without the output head: the transformer blocks' projections (ms).
+    pub layers_only_ms: f64,
     /// Greedy ids of the first timed decode steps (a sanity check that logits are alive).
     pub decode_ids: Vec<u32>,
     pub logits_finite: bool,
@@ -223,8 +225,10 @@ pub fn run(shape_name: &str, o: &BenchOptions) -> Result<BenchReport> {
         }
     }
     let decode_ms = median(decode);
-    let gemv = model.capture_gemv_only()?;
+    let gemv = model.capture_gemv_only(true)?;
     let gemv_only_ms = time_ms(&gpu, 3, reps.max(10), || Ok(gemv.launch()?))?;
+    let layers = model.capture_gemv_only(false)?;
+    let layers_only_ms = time_ms(&gpu, 3, reps.max(10), || Ok(layers.launch()?))?;
     model.reset()?;
     let prefill_profile = model.profile_prefill(&tokens[..o.n_prompt])?;
     model.reset()?;
@@ -244,6 +248,7 @@ pub fn run(shape_name: &str, o: &BenchOptions) -> Result<BenchReport> {
         decode_bytes_per_s: bytes as f64 / (decode_ms * 1e-3),
         decode_ms,
         gemv_only_ms,
+        layers_only_ms,
         decode_ids,
         logits_finite,
         decode_profile,

@@ -1213,9 +1213,9 @@ impl DenseModel {
 
     /// A graph of only the decode step's linear layers: every layer's projections (bf16: our
     /// GEMVs, gate/up with its activation fused; EXL3: the trellis layers with their Hadamards)
-    /// and the output head, on whatever the activation buffers hold. Its replay time is what the
-    /// matrix work of one token costs alone.
-    pub fn capture_gemv_only(&self) -> Result<CudaGraph> {
+    /// and, with `head`, the output head, on whatever the activation buffers hold. Its replay
+    /// time is what the matrix work of one token costs alone.
+    pub fn capture_gemv_only(&self, head: bool) -> Result<CudaGraph> {
         let (g, c, b) = (&*self.gpu, &self.cfg, &self.b);
         let h = c.hidden;
         g.sync()?;
@@ -1257,7 +1257,10 @@ impl DenseModel {
                 }
                 self.linear(1, act, lw.down.w.view(g), h, ff, y)?;
             }
-            self.linear(1, xn, self.head(), c.vocab, h, g.ptr(&b.logits))
+            if head {
+                self.linear(1, xn, self.head(), c.vocab, h, g.ptr(&b.logits))?;
+            }
+            Ok(())
         })();
         let graph = g.stream.end_capture(dsys::CUgraphInstantiate_flags(0));
         r?;

@@ -185,8 +185,9 @@ impl Exl3Kernels {
 /// 3% of each other for the whole layer).
 pub const BLOCKS_PER_SM: usize = 16;
 
-/// Blocks per SM the tensor-core and int8 GEMVs split a layer for at one row (fewer rows a
-/// block: fewer, longer splits). H200, Llama-3.1-8B shape, MUL1 K = 2 / 3 / 4 end to end
+/// Blocks per SM the tensor-core GEMV splits a layer for at more than 8 rows (fewer rows a
+/// block: fewer, longer splits; up to 8 rows, [`mma_split`]'s rule). Measured before that rule,
+/// when it served every row count: H200, Llama-3.1-8B shape, MUL1 K = 2 / 3 / 4 end to end
 /// (session 9, one binary): 4 / 6 / 8 / 12 / 16 gave decode 274-281 / 279-286 / 273-280 /
 /// 259-265 / 255-261 tok/s; batches of 8 and 32 rows: 6 against 16 gave 1549 / 2600 against
 /// 1477 / 2546 tok/s.
@@ -242,9 +243,9 @@ pub struct Exl3Scratch {
     counters: CudaSlice<u32>,
     /// One-row calls of MUL1 layers take the fast path ([`Regime::Int8`]).
     pub int8: bool,
-    /// Blocks per SM the tensor-core and int8 GEMVs split for ([`MMA_BLOCKS_PER_SM`]; at most
-    /// [`MMA_SWEEP_MAX`], which the partial sums are sized for).
-    pub mma_per_sm: usize,
+    /// Blocks per SM the tensor-core and int8 GEMVs split for (at most [`MMA_SWEEP_MAX`], which
+    /// the partial sums are sized for); `None`: [`mma_split`]'s rule.
+    pub mma_per_sm: Option<usize>,
     /// Rows from which the tensor-core GEMV takes its inputs rotated beforehand by one
     /// `exl3_in` launch ([`PREROTATE_ROWS`]; the timing test moves it).
     pub prerotate_rows: usize,
@@ -271,7 +272,9 @@ impl Exl3Scratch {
                 let shape = parts_shape(&all);
                 bands = bands.max(shape.n / 128);
                 for mma_rows in 1..=rows.clamp(1, MMA_ROWS) {
-                    let splits = mma_split_for(&shape, gpu.sm_count, mma_rows, MMA_SWEEP_MAX).0;
+                    let splits = mma_split_for(&shape, gpu.sm_count, mma_rows, MMA_SWEEP_MAX)
+                        .0
+                        .max(mma_split(&shape, gpu.sm_count, mma_rows).0);
                     partial = partial.max(splits * mma_rows * shape.n);
                 }
                 xh = xh.max(first.shape.k);
@@ -296,7 +299,7 @@ impl Exl3Scratch {
             yg: gpu.alloc(yg)?,
             counters: gpu.alloc(bands)?,
             int8: false,
-            mma_per_sm: MMA_BLOCKS_PER_SM,
+            mma_per_sm: None,
             prerotate_rows: PREROTATE_ROWS,
         })
     }
@@ -336,11 +339,56 @@ fn mma_blocks_per_sm(mt: usize, per_sm: usize) -> usize {
 /// fp16 values of the rotated input a tensor-core GEMV block holds (`XS_HALVES` in exl3.cu).
 const XS_HALVES: usize = 24320;
 
-/// The tensor-core GEMV's split for `m` rows: as [`split_for`], in whole 128-input blocks (its
-/// blocks rotate their own inputs), each split's rows of inputs fitting the block's
-/// [`XS_HALVES`] (with the 8 of padding a row). Returns (splits, tile rows per split).
+/// Blocks of the one-tile tensor-core GEMV (`exl3_mma8`, up to 8 rows) resident on an SM: its
+/// registers are bounded for that many (`MMA_MIN_BLOCKS` in exl3.cu: 64 registers x 256 threads),
+/// and its shared memory allows it.
+const MMA8_RESIDENT: usize = 4;
+
+/// What a block's start and finish (prologue, the first loads, the split's epilogue) cost, in
+/// tile rows of its main loop: the fit of [`mma_split`]'s rule to `gpu_exl3::one_row_split_sweep`.
+const BLOCK_COST_TILES: usize = 8;
+
+/// The tensor-core GEMV's split for `m` rows, in whole pairs of its steps (8 tile rows, whole
+/// 128-input blocks: its blocks rotate their own inputs), each split's rows of inputs fitting the
+/// block's [`XS_HALVES`] (with the 8 of padding a row). Returns (splits, tile rows per split).
+///
+/// Up to 8 rows (`exl3_mma8`): the split whose blocks fill every SM's resident slots at least once
+/// (at most one SM short of it) and whose busiest SM finishes first, counting each block as its
+/// tile rows plus [`BLOCK_COST_TILES`]. Measured on the H200 at the 8B shape, MUL1 K = 3, one row
+/// (`one_row_split_sweep`, session 12), it picks the fastest split of every group: q/k/v 11 splits
+/// (12.5 us against 13.5 at the 16 of the rule before), o 16 (9.8), gate/up 4 (40.2), down 16 (21.9
+/// against 24.1 at 23). More rows: [`MMA_BLOCKS_PER_SM`].
 pub fn mma_split(shape: &Exl3Shape, sm_count: usize, m: usize) -> (usize, usize) {
-    mma_split_for(shape, sm_count, m, MMA_BLOCKS_PER_SM)
+    if m > 8 {
+        return mma_split_for(shape, sm_count, m, MMA_BLOCKS_PER_SM);
+    }
+    let tiles_k = shape.tiles_k().max(8);
+    let bands = (shape.n / 128).max(1);
+    let sms = sm_count.max(1);
+    let per_max = mma_per_max(m);
+    let mut best = None;
+    for per in (8..=tiles_k.next_multiple_of(8).min(per_max)).step_by(8) {
+        let splits = tiles_k.div_ceil(per);
+        // The shortest split that gives this many.
+        let per = tiles_k.div_ceil(splits).next_multiple_of(8);
+        let blocks = bands * splits;
+        let rounds = blocks.div_ceil(sms);
+        let key = (
+            rounds < MMA8_RESIDENT,
+            rounds * (per + BLOCK_COST_TILES),
+            blocks,
+        );
+        if best.is_none_or(|(b, _)| key < b) {
+            best = Some((key, (splits, per)));
+        }
+    }
+    best.map_or((1, tiles_k.next_multiple_of(8)), |(_, s)| s)
+}
+
+/// Most tile rows a split of the tensor-core GEMV takes for `m` rows: its inputs of every row fit
+/// the block's [`XS_HALVES`] (with the 8 of padding a row).
+fn mma_per_max(m: usize) -> usize {
+    (((XS_HALVES / m.max(1) - 8) / 16) / 8 * 8).max(8)
 }
 
 /// [`mma_split`] aiming for `per_sm` blocks per SM at one row (`gpu_exl3::timing` sweeps it).
@@ -355,11 +403,10 @@ pub fn mma_split_for(
     let bands = (shape.n / 128).max(1);
     let want = (sm_count * mma_blocks_per_sm(mt, per_sm)).div_ceil(bands);
     let splits = want.clamp(1, (tiles_k / 8).max(1));
-    let per_max = ((XS_HALVES / m.max(1) - 8) / 16) / 8 * 8;
     let per = tiles_k
         .div_ceil(splits)
         .next_multiple_of(8)
-        .min(per_max.max(8));
+        .min(mma_per_max(m));
     (tiles_k.div_ceil(per), per)
 }
 
@@ -967,7 +1014,10 @@ fn launch_rows(
 ) -> Result<()> {
     let shape = parts_shape(parts);
     let n = shape.n;
-    let (splits, per) = mma_split_for(&shape, gpu.sm_count, m, s.mma_per_sm);
+    let (splits, per) = match s.mma_per_sm {
+        Some(per_sm) => mma_split_for(&shape, gpu.sm_count, m, per_sm),
+        None => mma_split(&shape, gpu.sm_count, m),
+    };
     ensure!(
         s.partial.len() >= splits * m * n
             && s.counters.len() >= n / 128
@@ -1175,6 +1225,28 @@ mod tests {
                     "{k}x{n} m={m}"
                 );
                 assert!(m * (16 * per + 8) <= XS_HALVES, "{k}x{n} m={m}: {per}");
+            }
+        }
+    }
+
+    /// The rule's picks at the 8B shape's groups on 132 SMs are the fastest splits measured there
+    /// (`gpu_exl3::one_row_split_sweep`, session 12).
+    #[test]
+    fn one_row_split_rule_picks_the_measured_fastest() {
+        for &(k, n, splits) in &[
+            (4096, 6144, 11),
+            (4096, 4096, 16),
+            (4096, 28672, 4),
+            (14336, 4096, 16),
+        ] {
+            let shape = Exl3Shape {
+                k,
+                n,
+                rate: Bitrate::int(3),
+                codebook: Codebook::Mul1,
+            };
+            for m in [1, 8] {
+                assert_eq!(mma_split(&shape, 132, m).0, splits, "{k}x{n}, {m} rows");
             }
         }
     }

@@ -831,7 +831,7 @@ fn timing() {
                 if sweep && kb == 3 {
                     let mut s = Exl3Scratch::new(&gpu, &[(&layers[0], 1)]).unwrap();
                     for per_sm in [4usize, 8, 12, 16, 24, 32] {
-                        s.mma_per_sm = per_sm;
+                        s.mma_per_sm = Some(per_sm);
                         for regime in [Regime::Mma, Regime::Int8] {
                             let full = bench::time_ms(&gpu, 2, 7, || {
                                 for l in &layers {
@@ -890,4 +890,86 @@ fn profile_target() {
         }
     }
     gpu.sync().unwrap();
+}
+
+/// The one-row tensor-core GEMV's split, swept on the groups a Llama-3.1-8B layer launches at
+/// MUL1 K = 3 (q/k/v as one launch, o, gate/up with the activation fused, down): for each split
+/// the blocks per SM asked for reach, the group's time per launch over enough copies that they do
+/// not fit in L2, and the split the default rule picks. Checks nothing but that it runs.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on the GPU machine"]
+fn one_row_split_sweep() {
+    let gpu = gpu();
+    let mut emit = common::results();
+    let shape = |k: usize, n: usize| Exl3Shape {
+        k,
+        n,
+        rate: Bitrate::int(3),
+        codebook: Codebook::Mul1,
+    };
+    let groups: [(&str, Vec<Exl3Shape>); 4] = [
+        (
+            "qkv",
+            vec![shape(4096, 4096), shape(4096, 1024), shape(4096, 1024)],
+        ),
+        ("o", vec![shape(4096, 4096)]),
+        ("gate_up", vec![shape(4096, 14336), shape(4096, 14336)]),
+        ("down", vec![shape(14336, 4096)]),
+    ];
+    for (name, shapes) in groups {
+        let bytes: usize = shapes.iter().map(|s| s.trellis_bytes()).sum();
+        let copies = (400usize << 20).div_ceil(bytes).max(2);
+        let seed = |c: usize, i: usize| (c * 8 + i) as u64 + 1;
+        let layers: Vec<Vec<Exl3Linear>> = (0..copies)
+            .map(|c| {
+                shapes
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &s)| Exl3Linear::synthetic(&gpu, s, seed(c, i)).unwrap())
+                    .collect()
+            })
+            .collect();
+        let (k, n): (usize, usize) = (shapes[0].k, shapes.iter().map(|s| s.n).sum());
+        let gated = name == "gate_up";
+        let group: Vec<(&[Exl3Linear], usize)> = vec![(&layers[0][..], 1)];
+        let mut s = Exl3Scratch::for_groups(&gpu, &group).unwrap();
+        let x = gpu.upload(&vec![0.5f32; k]).unwrap();
+        let y = gpu.alloc::<f32>(n).unwrap();
+        let act_out = gpu.alloc::<u16>(n).unwrap();
+        let rows_in = Rows {
+            ptr: gpu.ptr(&x),
+            bf16: false,
+            ld: k,
+        };
+        let all = shapes.clone();
+        let whole = Exl3Shape { n, ..all[0] };
+        let default = trellm_cuda::exl3::mma_split(&whole, gpu.sm_count, 1);
+        let mut seen = Vec::new();
+        for per_sm in 1..=trellm_cuda::exl3::MMA_SWEEP_MAX {
+            let (splits, per) = trellm_cuda::exl3::mma_split_for(&whole, gpu.sm_count, 1, per_sm);
+            if seen.contains(&splits) {
+                continue;
+            }
+            seen.push(splits);
+            s.mma_per_sm = Some(per_sm);
+            let ms = bench::time_ms(&gpu, 2, 7, || {
+                for l in &layers {
+                    if gated {
+                        Exl3Linear::forward_gated(&gpu, &s, l, 1, rows_in, 0, gpu.ptr(&act_out))?;
+                    } else {
+                        Exl3Linear::forward_parts(&gpu, &s, l, 1, rows_in, gpu.ptr(&y), n)?;
+                    }
+                }
+                Ok(())
+            })
+            .unwrap()
+                / copies as f64;
+            emit(format!(
+                "{{\"group\": \"{name}\", \"k\": {k}, \"n\": {n}, \"per_sm\": {per_sm}, \"splits\": {splits}, \"per\": {per}, \"blocks\": {}, \"default_splits\": {}, \"us\": {:.2}}}",
+                splits * n / 128,
+                default.0,
+                ms * 1e3
+            ));
+        }
+    }
 }

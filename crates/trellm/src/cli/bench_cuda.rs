@@ -86,6 +86,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         "decode_frac_of_copy": r.decode_bytes_per_s / copy,
         "gemv_only_ms": r.gemv_only_ms,
         "gemv_only_tb_s": r.decode_weight_bytes as f64 / (r.gemv_only_ms * 1e-3) / 1e12,
+        "layers_only_ms": r.layers_only_ms,
         "decode_ids": r.decode_ids,
         "logits_finite": r.logits_finite,
         "decode_profile_us": profile_json(&r.decode_profile),
