@@ -339,6 +339,9 @@ fn mma_blocks_per_sm(mt: usize, per_sm: usize) -> usize {
 /// fp16 values of the rotated input a tensor-core GEMV block holds (`XS_HALVES` in exl3.cu).
 const XS_HALVES: usize = 24320;
 
+/// Most rows of the one-tile tensor-core GEMV (`exl3_mma8`).
+const MMA8_ROWS: usize = 8;
+
 /// Blocks of the one-tile tensor-core GEMV (`exl3_mma8`, up to 8 rows) resident on an SM: its
 /// registers are bounded for that many (`MMA_MIN_BLOCKS` in exl3.cu: 64 registers x 256 threads),
 /// and its shared memory allows it.
@@ -359,30 +362,29 @@ const BLOCK_COST_TILES: usize = 8;
 /// (12.5 us against 13.5 at the 16 of the rule before), o 16 (9.8), gate/up 4 (40.2), down 16 (21.9
 /// against 24.1 at 23). More rows: [`MMA_BLOCKS_PER_SM`].
 pub fn mma_split(shape: &Exl3Shape, sm_count: usize, m: usize) -> (usize, usize) {
-    if m > 8 {
+    if m > MMA8_ROWS {
         return mma_split_for(shape, sm_count, m, MMA_BLOCKS_PER_SM);
     }
     let tiles_k = shape.tiles_k().max(8);
     let bands = (shape.n / 128).max(1);
     let sms = sm_count.max(1);
-    let per_max = mma_per_max(m);
-    let mut best = None;
-    for per in (8..=tiles_k.next_multiple_of(8).min(per_max)).step_by(8) {
-        let splits = tiles_k.div_ceil(per);
-        // The shortest split that gives this many.
-        let per = tiles_k.div_ceil(splits).next_multiple_of(8);
-        let blocks = bands * splits;
-        let rounds = blocks.div_ceil(sms);
-        let key = (
-            rounds < MMA8_RESIDENT,
-            rounds * (per + BLOCK_COST_TILES),
-            blocks,
-        );
-        if best.is_none_or(|(b, _)| key < b) {
-            best = Some((key, (splits, per)));
-        }
-    }
-    best.map_or((1, tiles_k.next_multiple_of(8)), |(_, s)| s)
+    (8..=tiles_k.next_multiple_of(8).min(mma_per_max(m)))
+        .step_by(8)
+        .map(|per| {
+            let splits = tiles_k.div_ceil(per);
+            // The shortest split that gives this many.
+            let per = tiles_k.div_ceil(splits).next_multiple_of(8);
+            let blocks = bands * splits;
+            let rounds = blocks.div_ceil(sms);
+            let key = (
+                rounds < MMA8_RESIDENT,
+                rounds * (per + BLOCK_COST_TILES),
+                blocks,
+            );
+            (key, (splits, per))
+        })
+        .min_by_key(|&(key, _)| key)
+        .map_or((1, 8), |(_, split)| split)
 }
 
 /// Most tile rows a split of the tensor-core GEMV takes for `m` rows: its inputs of every row fit
@@ -989,7 +991,7 @@ fn mma_rows(
 ) -> Result<()> {
     let k = &parts[0].k;
     let f = match m {
-        1..=8 => &k.mma[0],
+        1..=MMA8_ROWS => &k.mma[0],
         9..=16 => &k.mma[1],
         17..=32 => &k.mma[2],
         33..=MMA_ROWS => &k.mma[3],

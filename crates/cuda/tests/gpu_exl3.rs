@@ -929,10 +929,9 @@ fn one_row_split_sweep() {
                     .collect()
             })
             .collect();
-        let (k, n): (usize, usize) = (shapes[0].k, shapes.iter().map(|s| s.n).sum());
+        let (k, n) = (shapes[0].k, shapes.iter().map(|s| s.n).sum::<usize>());
         let gated = name == "gate_up";
-        let group: Vec<(&[Exl3Linear], usize)> = vec![(&layers[0][..], 1)];
-        let mut s = Exl3Scratch::for_groups(&gpu, &group).unwrap();
+        let mut s = Exl3Scratch::for_groups(&gpu, &[(&layers[0][..], 1)]).unwrap();
         let x = gpu.upload(&vec![0.5f32; k]).unwrap();
         let y = gpu.alloc::<f32>(n).unwrap();
         let act_out = gpu.alloc::<u16>(n).unwrap();
@@ -941,8 +940,8 @@ fn one_row_split_sweep() {
             bf16: false,
             ld: k,
         };
-        let all = shapes.clone();
-        let whole = Exl3Shape { n, ..all[0] };
+        // The group as the launch sees it: the parts' outputs side by side.
+        let whole = Exl3Shape { n, ..shapes[0] };
         let default = trellm_cuda::exl3::mma_split(&whole, gpu.sm_count, 1);
         let mut seen = Vec::new();
         for per_sm in 1..=trellm_cuda::exl3::MMA_SWEEP_MAX {
