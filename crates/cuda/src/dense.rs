@@ -20,7 +20,8 @@
 //! and the sum of squares; the consumer scales its dot products), so a layer is 6 kernels:
 //! qkv+rope, attention partials, combine, o+residual, gate/up+act, down+residual. Decode attention
 //! splits the actual context over a chip-sized grid (one cluster launch per kv head while the
-//! context is short). Every reduction runs in a fixed order, so a request reproduces bit for bit.
+//! context is short); a batch's tokens take it on tensor cores (`attn_decode`, a warp a split)
+//! where the head dim allows. Every reduction runs in a fixed order, so a request reproduces bit for bit.
 
 use std::sync::Arc;
 
@@ -583,6 +584,13 @@ const DECODE_BLOCKS: usize = 256;
 /// The same for a batch of tokens: one split each (256 blocks of 20 serial tiles at B = 32) cost
 /// 2.2 ms a step at B = 64, 8B shape (H200, run 18); a few waves of short splits hide latency.
 const BATCH_DECODE_BLOCKS: usize = 1024;
+/// Warps of an `attn_decode` block (`DEC_WARPS` in attention.cu), each a split.
+const DEC_WARPS: usize = 2;
+/// Keys per `attn_decode` tile (`DEC_KT`).
+const DEC_KEYS: usize = 16;
+/// Warps `attn_decode` aims for in all, its splits sharing each token's keys. H200 session 13,
+/// 8B shape, bf16, S_TG at B = 32: 1024 / 2048 / 4096 gave 4,161 / 4,272-4,345 / 3,863 tok/s.
+const DECODE_WARPS: usize = 2048;
 /// Keys per decode attention tile (`KT` in attention.cu): a split holds whole tiles.
 const ATT_KEYS: usize = 32;
 /// Rotary pairs per block of the qkv GEMV with rope (`QKV_PAIRS` in gemv.cu).
@@ -647,6 +655,8 @@ struct Funcs {
     attn_partial: CudaFunction,
     attn_combine: CudaFunction,
     attn_prefill: Option<FlashPrefill>,
+    /// Decode attention of a batch on tensor cores (`attn_decode`; head dims as `FA_OK`).
+    attn_decode: Option<CudaFunction>,
     attn_softmax: CudaFunction,
     attn_unstack: CudaFunction,
     kv_gather: CudaFunction,
@@ -852,7 +862,7 @@ struct Paged<'a> {
     kv: &'a PagedKv,
     tables: u64,
     table_off: u64,
-    /// The tokens whose attention runs in attn_partial (those of one-token sequences).
+    /// The tokens whose attention runs in decode attention (those of one-token sequences).
     tok_idx: u64,
     singles: usize,
     segs: Vec<Seg>,
@@ -930,6 +940,11 @@ impl DenseModel {
             attn_partial: gpu.function(&kernels::ATTENTION, &hd, "attn_partial")?,
             attn_combine: gpu.function(&kernels::ATTENTION, &hd, "attn_combine")?,
             attn_prefill: FlashPrefill::load(&gpu, cfg.head_dim)?,
+            attn_decode: if cfg.head_dim.is_multiple_of(16) && cfg.head_dim <= 128 {
+                Some(gpu.function(&kernels::ATTENTION, &hd, "attn_decode")?)
+            } else {
+                None
+            },
             attn_softmax: gpu.function(&kernels::ATTENTION, &hd, "attn_softmax")?,
             attn_unstack: gpu.function(&kernels::ATTENTION, &hd, "attn_unstack")?,
             kv_gather: gpu.function(&kernels::ATTENTION, &hd, "kv_gather")?,
@@ -1711,7 +1726,7 @@ impl DenseModel {
         } else {
             1
         };
-        // Which tokens' attention runs where: one-token sequences in attn_partial (a list of
+        // Which tokens' attention runs where: one-token sequences in decode attention (a list of
         // them, or token 0 alone), longer runs of one sequence through the prefill GEMMs.
         let (singles, segs, tabs) = match pg {
             None if m == 1 => (Some((0u64, 1usize)), Vec::new(), (0, 0)),
@@ -1800,34 +1815,71 @@ impl DenseModel {
                 // merge) the attention took 1.93-1.96 ms a B = 32 step against 1.34 + 0.22 for
                 // the combine (H200, run 20).
                 let fused = inp.cluster;
-                g.launch_cluster(
-                    &f.attn_partial,
-                    (
-                        c.n_kv_heads as u32,
-                        (n * group.div_ceil(ATT_ROWS)) as u32,
-                        splits as u32,
-                    ),
-                    128,
-                    fused.then_some((1, 1, splits as u32)),
-                    &[
-                        Arg::Ptr(p(&b.q)),
-                        Arg::Ptr(kc),
-                        Arg::Ptr(vc),
-                        Arg::Ptr(inp.pos),
-                        Arg::Ptr(list),
-                        Arg::I32(c.n_heads as i32),
-                        Arg::I32(c.n_kv_heads as i32),
-                        Arg::I32(attn.window.unwrap_or(0) as i32),
-                        Arg::F32(attn.softcap.unwrap_or(0.0)),
-                        Arg::I32(splits as i32),
-                        Arg::Ptr(p(&b.part_acc)),
-                        Arg::Ptr(p(&b.part_ml)),
-                        Arg::Ptr(if fused { g.ptr(&b.attn) } else { 0 }),
-                        Arg::Ptr(tabs.0),
-                        Arg::Ptr(tabs.1),
-                        Arg::I32(KV_BLOCK as i32),
-                    ],
-                )?;
+                // Batches only: one token's attention stays attn_partial's (at a 2k context
+                // it measured 226 tok/s against 220 through attn_decode, H200 session 13).
+                let on_mma = f.attn_decode.as_ref().filter(|_| !fused && n > 1);
+                let splits = match on_mma {
+                    // A warp a split, about DECODE_WARPS warps in all, within the partials'
+                    // room (MAX_SEQS tokens x the batch-1 split count).
+                    Some(_) => {
+                        let tiles = c.n_kv_heads * group.div_ceil(16) * n;
+                        let room = MAX_SEQS
+                            * decode_splits(c, self.max_context, 1).max(self.opts.cluster)
+                            / n;
+                        let per_tile = DECODE_WARPS
+                            .div_ceil(DEC_WARPS * tiles)
+                            .clamp(1, self.max_context.div_ceil(DEC_WARPS * DEC_KEYS))
+                            .min((room / DEC_WARPS).max(1));
+                        DEC_WARPS * per_tile
+                    }
+                    None => splits,
+                };
+                // Both kernels' arguments (attn_partial's cluster merge writes `attn` itself).
+                let mut args = vec![
+                    Arg::Ptr(p(&b.q)),
+                    Arg::Ptr(kc),
+                    Arg::Ptr(vc),
+                    Arg::Ptr(inp.pos),
+                    Arg::Ptr(list),
+                    Arg::I32(c.n_heads as i32),
+                    Arg::I32(c.n_kv_heads as i32),
+                    Arg::I32(attn.window.unwrap_or(0) as i32),
+                    Arg::F32(attn.softcap.unwrap_or(0.0)),
+                    Arg::I32(splits as i32),
+                    Arg::Ptr(p(&b.part_acc)),
+                    Arg::Ptr(p(&b.part_ml)),
+                ];
+                if on_mma.is_none() {
+                    args.push(Arg::Ptr(if fused { g.ptr(&b.attn) } else { 0 }));
+                }
+                args.extend([
+                    Arg::Ptr(tabs.0),
+                    Arg::Ptr(tabs.1),
+                    Arg::I32(KV_BLOCK as i32),
+                ]);
+                match on_mma {
+                    Some(dec) => g.launch(
+                        dec,
+                        (
+                            c.n_kv_heads as u32,
+                            (n * group.div_ceil(16)) as u32,
+                            (splits / DEC_WARPS) as u32,
+                        ),
+                        (32 * DEC_WARPS) as u32,
+                        &args,
+                    )?,
+                    None => g.launch_cluster(
+                        &f.attn_partial,
+                        (
+                            c.n_kv_heads as u32,
+                            (n * group.div_ceil(ATT_ROWS)) as u32,
+                            splits as u32,
+                        ),
+                        128,
+                        fused.then_some((1, 1, splits as u32)),
+                        &args,
+                    )?,
+                }
                 if !fused {
                     g.launch(
                         &f.attn_combine,

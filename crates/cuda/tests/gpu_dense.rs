@@ -111,6 +111,71 @@ fn decode_attention_paths_match_prefill_across_geometries() {
     }
 }
 
+/// Decode attention of a batch (`attn_decode`: a warp a split, on tensor cores) against each
+/// sequence's prefill: ragged sequences of 700-1150 tokens prefilled through the paged cache,
+/// then one step of one token each. GQA groups of 32 (two 16-row tiles), 3 and 7, head dims 64,
+/// 80 and 128, a sliding window; with 64 sequences of 8 kv heads each warp walks more keys than
+/// the 32 block-table entries it holds at once, so it refills them.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --ignored on the GPU machine"]
+fn batched_decode_attention_matches_prefill() {
+    use trellm_model::{Batch, BlockPool, BlockTable, Want};
+    const BS: usize = trellm_cuda::dense::KV_BLOCK;
+    let gpu = gpu();
+    for (hd, nh, nkv, window, seqs) in [
+        (64, 256, 8, None, 64),
+        (128, 12, 4, Some(300), 9),
+        (80, 14, 2, None, 5),
+    ] {
+        let cfg = geometry(hd, nh, nkv, window);
+        let ctx = 1200;
+        let w = DenseWeights::synthetic(&gpu, &cfg, 5).unwrap();
+        let mut m = model(gpu.clone(), &cfg, w, ctx);
+        let prompts: Vec<Vec<u32>> = (0..seqs)
+            .map(|s| {
+                let n = 700 + (s * 131) % 450;
+                (0..n as u32)
+                    .map(|i| (i * 97 + 13 * s as u32 + 5) % cfg.vocab as u32)
+                    .collect()
+            })
+            .collect();
+        let blocks = seqs * ctx.div_ceil(BS);
+        let mut pool = BlockPool::new(blocks, BS);
+        let kv = m.paged_kv(blocks).unwrap();
+        let mut tables: Vec<BlockTable> = prompts.iter().map(|_| BlockTable::default()).collect();
+        let mut batch = Batch::default();
+        for (p, t) in prompts.iter().zip(&mut tables) {
+            pool.grow(t, p.len()).unwrap();
+            batch.push(&p[..p.len() - 1], 0, t.blocks().to_vec(), Want::None);
+        }
+        m.step_batch(&batch, &kv).unwrap();
+        let mut batch = Batch::default();
+        for (p, t) in prompts.iter().zip(&tables) {
+            batch.push(
+                &p[p.len() - 1..],
+                p.len() - 1,
+                t.blocks().to_vec(),
+                Want::Last,
+            );
+        }
+        let stepped = m.step_batch(&batch, &kv).unwrap();
+        let vocab = cfg.vocab;
+        assert_eq!(stepped.len(), seqs * vocab);
+        for s in 0..seqs {
+            m.reset().unwrap();
+            m.prefill(&prompts[s]).unwrap();
+            let full = m.logits().unwrap();
+            let row = &stepped[s * vocab..(s + 1) * vocab];
+            assert!(row.iter().all(|v| v.is_finite()), "hd {hd} seq {s}");
+            let rel = rel_err(&full, row);
+            assert!(
+                rel < 2e-2,
+                "hd {hd} heads {nh}/{nkv} window {window:?} seq {s}: {rel}"
+            );
+        }
+    }
+}
+
 /// The prefill's logits and every decode step's, as bits.
 fn run_bits(m: &mut DenseModel, prompt: &[u32], steps: usize) -> Vec<Vec<u32>> {
     let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();

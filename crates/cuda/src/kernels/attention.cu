@@ -3,7 +3,8 @@
 // group) and one split of the key range; it writes unnormalized partial results (acc, max, sum)
 // that attn_combine merges, or, in decode with the splits launched as one cluster, merges them
 // through distributed shared memory itself (cluster_merge). Used for one token (decode, and a
-// one-token prefill); longer prefills run as GEMMs (attn_softmax below).
+// one-token prefill); a batch's decode tokens take attn_decode (tensor cores) where the head dim
+// allows; longer prefills run flash style (attn_prefill) or as GEMMs (attn_softmax below).
 // Rows attend to keys [lo, pos] with lo = pos + 1 - window (sliding windows) or 0.
 // HEAD_DIM is fixed per model at compile time (-DHEAD_DIM=...).
 
@@ -546,6 +547,212 @@ attn_prefill(const bf16* __restrict__ q, int q_rows, int row0, int rows,
 #pragma unroll
         for (int d = 0; d < HD / 8; d++)
             orow[4 * d + tig] = pack_bf2(o[d][2 * h] * inv, o[d][2 * h + 1] * inv);
+    }
+#else
+    __trap();
+#endif
+}
+
+// Decode attention of many tokens on tensor cores (one token of each listed sequence; the
+// split partials that attn_combine merges, as attn_partial's). A warp is a split: one token, up
+// to 16 query rows of one kv head's group (rows past the group are zero), one share of the keys
+// that token sees, walked in tiles of DEC_KT keys, each copied into the warp's own shared memory
+// one tile ahead (cp.async, no block barriers), S = Q K^T and O += P V on mma.m16n8k16 with
+// bf16 operands and f32 sums, the softmax running in registers as attn_prefill's (q rounded to
+// bf16 as the prefill's is; attn_partial keeps it f32). A block is
+// DEC_WARPS independent warps (splits blockIdx.z * DEC_WARPS + warp). Against attn_partial's
+// scalar dot products (~900 instructions a 32-key tile a query row) it issues ~200 a 16-key tile
+// for all the rows.
+#define DEC_WARPS 2
+#define DEC_KT 16
+// Tiles a warp holds: DEC_STAGES - 1 in flight while one is multiplied. 3 and 4 made the kernel
+// faster still (B = 64: 1.58 / 1.80-1.97 ms against 1.79-1.83 at 2) but not the batched steps
+// (H200 session 13, call 4).
+#define DEC_STAGES 2
+#define DEC_STAGE (2 * DEC_KT * FA_LD)  // halves: K then V of one tile
+extern "C" __global__ void __launch_bounds__(DEC_WARPS * 32)
+attn_decode(const float* __restrict__ q, const bf16* __restrict__ kc, const bf16* __restrict__ vc,
+            const int* __restrict__ pos, const int* __restrict__ tok_idx, int n_heads, int n_kv,
+            int window, float softcap, int n_splits, float* __restrict__ part_acc,
+            float* __restrict__ part_ml, const int* __restrict__ tables,
+            const int* __restrict__ table_off, int bs) {
+    pdl_wait();
+#if FA_OK
+    __shared__ __align__(16) bf16 dec_smem[DEC_WARPS * DEC_STAGES * DEC_STAGE];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int grp = lane >> 2, tig = lane & 3;
+    const int kvh = blockIdx.x, split = blockIdx.z * DEC_WARPS + warp;
+    const int group = n_heads / n_kv;
+    const int tiles = (group + 15) / 16;
+    const int ti = blockIdx.y / tiles, j0 = (blockIdx.y % tiles) * 16;
+    const int tok = tok_idx ? tok_idx[ti] : ti;
+    const int p = pos[tok];
+    const int base = window > 0 ? max(p + 1 - window, 0) : 0;
+    const int chunk = ((p + 1 - base + n_splits - 1) / n_splits + DEC_KT - 1) / DEC_KT * DEC_KT;
+    const int k_lo = base + split * chunk, k_hi = min(p, k_lo + chunk - 1);
+
+    // The rows (heads kvh * group + j0 + grp, + 8) as A fragments: f32 q rounded to bf16.
+    u32 qa[HD / 16][4];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int j = j0 + grp + 8 * h;
+        const bool in = j < group;
+        const float2* qr = (const float2*)(q + ((long long)tok * n_heads + kvh * group + j) * HD);
+#pragma unroll
+        for (int k = 0; k < HD / 16; k++) {
+            const float2 a = in ? qr[8 * k + tig] : make_float2(0.0f, 0.0f);
+            const float2 b = in ? qr[8 * k + 4 + tig] : make_float2(0.0f, 0.0f);
+            qa[k][h] = pack_bf2(a.x, a.y);
+            qa[k][2 + h] = pack_bf2(b.x, b.y);
+        }
+    }
+
+    bf16* stage0 = dec_smem + warp * DEC_STAGES * DEC_STAGE;
+    // The block table's entries for 32 blocks from tb0 (lane i holds block tb0 + i), so that a
+    // tile's copies need no dependent load of the table first; refilled as the keys move on.
+    const int* tab = tables ? tables + table_off[tok] : nullptr;
+    int tb0 = k_lo / bs, tb = 0;
+    const int tb_last = max(k_hi, k_lo) / bs;
+    if (tab && tb0 + lane <= tb_last) tb = tab[tb0 + lane];
+    // Tile k0 into stage st: 16 bytes a copy, keys past k_hi zero.
+    const auto load_tile = [&](int k0, int st) {
+        if (tab && (k0 + DEC_KT - 1) / bs - tb0 >= 32) {  // warp-uniform
+            tb0 = k0 / bs;
+            tb = tb0 + lane <= tb_last ? tab[tb0 + lane] : 0;
+        }
+        bf16* kd = stage0 + st * DEC_STAGE;
+        bf16* vd = kd + DEC_KT * FA_LD;
+#pragma unroll
+        for (int i = lane; i < DEC_KT * (HD / 8); i += 32) {
+            const int kk = i / (HD / 8), c = i % (HD / 8), key = k0 + kk;
+            const bool in = key <= k_hi;
+            const int blk = __shfl_sync(FULL_MASK, tb, min(key / bs - tb0, 31));
+            const long long slot = tab ? (long long)blk * bs + key % bs : key;
+            const long long g = ((in ? slot : 0) * n_kv + kvh) * HD + c * 8;
+            cp_async16(kd + kk * FA_LD + c * 8, kc + g, in);
+            cp_async16(vd + kk * FA_LD + c * 8, vc + g, in);
+        }
+    };
+
+    float o[HD / 8][4];
+#pragma unroll
+    for (int d = 0; d < HD / 8; d++) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.0f;
+    // Running max per row (log2 units) and this lane's share of the row sums.
+    float mx[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
+    const int n_tiles = k_lo <= k_hi ? (k_hi - k_lo) / DEC_KT + 1 : 0;
+    // One copy group a tile (empty past the last), so that "all but the newest DEC_STAGES - 1
+    // groups" is always tile t's.
+#pragma unroll
+    for (int t = 0; t < DEC_STAGES - 1; t++) {
+        if (t < n_tiles) load_tile(k_lo + t * DEC_KT, t);
+        asm volatile("cp.async.commit_group;");
+    }
+    for (int t = 0; t < n_tiles; t++) {
+        const int k0 = k_lo + t * DEC_KT, ahead = t + DEC_STAGES - 1;
+        if (ahead < n_tiles) load_tile(k_lo + ahead * DEC_KT, ahead % DEC_STAGES);
+        asm volatile("cp.async.commit_group;");
+        asm volatile("cp.async.wait_group %0;" ::"n"(DEC_STAGES - 1));
+        __syncwarp();  // every lane's copies of tile t are in
+        const bf16* ks = stage0 + (t % DEC_STAGES) * DEC_STAGE;
+        const bf16* vs = ks + DEC_KT * FA_LD;
+        // S = Q K^T: two tiles of 8 keys (c0, c1: row grp; c2, c3: row grp + 8; keys 2 tig..).
+        float s[2][4];
+#pragma unroll
+        for (int jt = 0; jt < 2; jt++) {
+            s[jt][0] = s[jt][1] = s[jt][2] = s[jt][3] = 0.0f;
+            const bf16* kr = ks + (8 * jt + (lane & 7)) * FA_LD;
+#pragma unroll
+            for (int k = 0; k + 1 < HD / 16; k += 2) {
+                u32 b0, b1, b2, b3;
+                asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                             : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3)
+                             : "r"(smem_addr(kr + 16 * k + 8 * (lane >> 3))));
+                mma_bf16(s[jt], qa[k][0], qa[k][1], qa[k][2], qa[k][3], b0, b1);
+                mma_bf16(s[jt], qa[k + 1][0], qa[k + 1][1], qa[k + 1][2], qa[k + 1][3], b2, b3);
+            }
+            if ((HD / 16) & 1) {
+                constexpr int k = HD / 16 - 1;
+                u32 b0, b1;
+                asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];"
+                             : "=r"(b0), "=r"(b1)
+                             : "r"(smem_addr(kr + 16 * k + 8 * ((lane >> 3) & 1))));
+                mma_bf16(s[jt], qa[k][0], qa[k][1], qa[k][2], qa[k][3], b0, b1);
+            }
+        }
+        // Mask (keys past k_hi), soft-cap, to log2 units; each row's max (c0, c1: row grp; c2,
+        // c3: row grp + 8) over the quad.
+        float tm[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+        for (int jt = 0; jt < 2; jt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int key = k0 + 8 * jt + 2 * tig + (e & 1);
+                float v = s[jt][e];
+                if (softcap > 0.0f) v = tanhf(v / softcap) * softcap;
+                v = key <= k_hi ? v * LOG2E : NEG_INF;
+                s[jt][e] = v;
+                tm[e >> 1] = fmaxf(tm[e >> 1], v);
+            }
+        float shift[2];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            tm[h] = fmaxf(tm[h], __shfl_xor_sync(FULL_MASK, tm[h], 1));
+            tm[h] = fmaxf(tm[h], __shfl_xor_sync(FULL_MASK, tm[h], 2));
+            const float m_new = fmaxf(mx[h], tm[h]);
+            shift[h] = m_new == NEG_INF ? 0.0f : m_new;
+            const float alpha = exp2f(mx[h] - shift[h]);  // 0 while mx is -inf
+            mx[h] = m_new;
+            l[h] *= alpha;
+#pragma unroll
+            for (int d = 0; d < HD / 8; d++) {
+                o[d][2 * h] *= alpha;
+                o[d][2 * h + 1] *= alpha;
+            }
+        }
+        // P (bf16, the A operand: keys 0..7 are tile 0, 8..15 tile 1) times V (ldmatrix with
+        // transpose: lane l addresses key 8 ((l / 8) & 1) + l % 8, dims 8 d + 8 (l / 16)).
+        u32 pa[4];
+#pragma unroll
+        for (int t = 0; t < 2; t++) {
+            const u32 p01 = pack_bf2(exp2f(s[t][0] - shift[0]), exp2f(s[t][1] - shift[0]));
+            const u32 p23 = pack_bf2(exp2f(s[t][2] - shift[1]), exp2f(s[t][3] - shift[1]));
+            // The sums take the rounded weights the product uses.
+            l[0] += bflo(p01) + bfhi(p01);
+            l[1] += bflo(p23) + bfhi(p23);
+            pa[2 * t] = p01;
+            pa[2 * t + 1] = p23;
+        }
+        const bf16* vr = vs + (8 * ((lane >> 3) & 1) + (lane & 7)) * FA_LD + 8 * (lane >> 4);
+#pragma unroll
+        for (int d = 0; d < HD / 8; d += 2) {
+            u32 b0, b1, b2, b3;
+            asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                         : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3)
+                         : "r"(smem_addr(vr + 8 * d)));
+            mma_bf16(o[d], pa[0], pa[1], pa[2], pa[3], b0, b1);
+            mma_bf16(o[d + 1], pa[0], pa[1], pa[2], pa[3], b2, b3);
+        }
+        __syncwarp();  // tile t's stage is free for the next load
+    }
+    // The row sums over the quad; the split's unnormalized rows, their max (natural log units,
+    // as attn_partial's) and sum.
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        l[h] += __shfl_xor_sync(FULL_MASK, l[h], 1);
+        l[h] += __shfl_xor_sync(FULL_MASK, l[h], 2);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int j = j0 + grp + 8 * h;
+        if (j >= group) continue;
+        const long long slot = ((long long)ti * n_heads + kvh * group + j) * n_splits + split;
+        if (tig == 0) {
+            part_ml[slot * 2] = mx[h] == NEG_INF ? NEG_INF : mx[h] * 0.6931471805599453f;
+            part_ml[slot * 2 + 1] = l[h];
+        }
+        float2* orow = (float2*)(part_acc + slot * HD);
+#pragma unroll
+        for (int d = 0; d < HD / 8; d++) orow[4 * d + tig] = make_float2(o[d][2 * h], o[d][2 * h + 1]);
     }
 #else
     __trap();

@@ -66,6 +66,7 @@ pub const ATTENTION: KernelSource = KernelSource {
         "attn_partial",
         "attn_combine",
         "attn_prefill",
+        "attn_decode",
         "attn_softmax",
         "attn_unstack",
         "kv_gather",
