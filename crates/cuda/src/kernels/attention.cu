@@ -610,10 +610,11 @@ attn_decode(const float* __restrict__ q, const bf16* __restrict__ kc, const bf16
     bf16* stage0 = dec_smem + warp * DEC_STAGES * DEC_STAGE;
     // The block table's entries for 32 blocks from tb0 (lane i holds block tb0 + i), so that a
     // tile's copies need no dependent load of the table first; refilled as the keys move on.
+    // An empty split (its keys past the token's) reads none: they would be past its table.
     const int* tab = tables ? tables + table_off[tok] : nullptr;
     int tb0 = k_lo / bs, tb = 0;
-    const int tb_last = max(k_hi, k_lo) / bs;
-    if (tab && tb0 + lane <= tb_last) tb = tab[tb0 + lane];
+    const int tb_last = k_hi / bs;
+    if (tab && k_lo <= k_hi && tb0 + lane <= tb_last) tb = tab[tb0 + lane];
     // Tile k0 into stage st: 16 bytes a copy, keys past k_hi zero.
     const auto load_tile = [&](int k0, int st) {
         if (tab && (k0 + DEC_KT - 1) / bs - tb0 >= 32) {  // warp-uniform
