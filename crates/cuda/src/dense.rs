@@ -588,6 +588,8 @@ const BATCH_DECODE_BLOCKS: usize = 1024;
 const DEC_WARPS: usize = 2;
 /// Keys per `attn_decode` tile (`DEC_KT`).
 const DEC_KEYS: usize = 16;
+/// Query rows of one kv head's group an `attn_decode` warp takes (one 16-row mma tile).
+const DEC_ROWS: usize = 16;
 /// Warps `attn_decode` aims for in all, its splits sharing each token's keys. H200 session 13,
 /// 8B shape, bf16, S_TG at B = 32: 1024 / 2048 / 4096 gave 4,161 / 4,272-4,345 / 3,863 tok/s.
 const DECODE_WARPS: usize = 2048;
@@ -1819,13 +1821,11 @@ impl DenseModel {
                 // it measured 226 tok/s against 220 through attn_decode, H200 session 13).
                 let on_mma = f.attn_decode.as_ref().filter(|_| !fused && n > 1);
                 let splits = match on_mma {
-                    // A warp a split, about DECODE_WARPS warps in all, within the partials'
-                    // room (MAX_SEQS tokens x the batch-1 split count).
+                    // A warp a split, about DECODE_WARPS warps in all, within the room the
+                    // partial buffers leave for n tokens' heads.
                     Some(_) => {
-                        let tiles = c.n_kv_heads * group.div_ceil(16) * n;
-                        let room = MAX_SEQS
-                            * decode_splits(c, self.max_context, 1).max(self.opts.cluster)
-                            / n;
+                        let tiles = c.n_kv_heads * group.div_ceil(DEC_ROWS) * n;
+                        let room = b.part_ml.len() / (2 * n * c.n_heads);
                         let per_tile = DECODE_WARPS
                             .div_ceil(DEC_WARPS * tiles)
                             .clamp(1, self.max_context.div_ceil(DEC_WARPS * DEC_KEYS))
@@ -1862,7 +1862,7 @@ impl DenseModel {
                         dec,
                         (
                             c.n_kv_heads as u32,
-                            (n * group.div_ceil(16)) as u32,
+                            (n * group.div_ceil(DEC_ROWS)) as u32,
                             (splits / DEC_WARPS) as u32,
                         ),
                         (32 * DEC_WARPS) as u32,

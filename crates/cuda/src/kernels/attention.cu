@@ -331,6 +331,30 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool full
                  "r"(full ? 16 : 0));
 }
 
+#if FA_OK
+// The online softmax's step for a lane's two rows (h = 0: row grp, 1: row grp + 8): the tile's
+// row maxima `tm` (log2 units) over the quad, the new running max, the rescaling of the sums and
+// of O; `base` is what the tile's exponents subtract.
+__device__ __forceinline__ void softmax_step(float (&tm)[2], float (&mx)[2], float (&l)[2],
+                                             float (&o)[HD / 8][4], float (&base)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        tm[h] = fmaxf(tm[h], __shfl_xor_sync(FULL_MASK, tm[h], 1));
+        tm[h] = fmaxf(tm[h], __shfl_xor_sync(FULL_MASK, tm[h], 2));
+        const float m_new = fmaxf(mx[h], tm[h]);
+        base[h] = m_new == NEG_INF ? 0.0f : m_new;  // no key yet: every p is 0
+        const float alpha = exp2f(mx[h] - base[h]);  // 0 while mx is -inf
+        mx[h] = m_new;
+        l[h] *= alpha;
+#pragma unroll
+        for (int d = 0; d < HD / 8; d++) {
+            o[d][2 * h] *= alpha;
+            o[d][2 * h + 1] *= alpha;
+        }
+    }
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(FA_WARPS * 32, 2)
 attn_prefill(const bf16* __restrict__ q, int q_rows, int row0, int rows,
              const bf16* __restrict__ kc, const bf16* __restrict__ vc, const int* __restrict__ table,
@@ -482,21 +506,7 @@ attn_prefill(const bf16* __restrict__ q, int q_rows, int row0, int rows,
                     }
             }
             float base[2];
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                tm[h] = fmaxf(tm[h], __shfl_xor_sync(FULL_MASK, tm[h], 1));
-                tm[h] = fmaxf(tm[h], __shfl_xor_sync(FULL_MASK, tm[h], 2));
-                const float m_new = fmaxf(mx[h], tm[h]);
-                base[h] = m_new == NEG_INF ? 0.0f : m_new;  // no key yet: every p is 0
-                const float alpha = exp2f(mx[h] - base[h]);  // 0 while mx is -inf
-                mx[h] = m_new;
-                l[h] *= alpha;
-#pragma unroll
-                for (int d = 0; d < HD / 8; d++) {
-                    o[d][2 * h] *= alpha;
-                    o[d][2 * h + 1] *= alpha;
-                }
-            }
+            softmax_step(tm, mx, l, o, base);
             // P (bf16, the A operand: keys 16 kk.. are tiles 2 kk and 2 kk + 1) times V
             // (ldmatrix with transpose: lane l addresses key 16 kk + 8 ((l / 8) & 1) + l % 8,
             // dims 8 d + 8 (l / 16)).
@@ -694,29 +704,15 @@ attn_decode(const float* __restrict__ q, const bf16* __restrict__ kc, const bf16
                 s[jt][e] = v;
                 tm[e >> 1] = fmaxf(tm[e >> 1], v);
             }
-        float shift[2];
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            tm[h] = fmaxf(tm[h], __shfl_xor_sync(FULL_MASK, tm[h], 1));
-            tm[h] = fmaxf(tm[h], __shfl_xor_sync(FULL_MASK, tm[h], 2));
-            const float m_new = fmaxf(mx[h], tm[h]);
-            shift[h] = m_new == NEG_INF ? 0.0f : m_new;
-            const float alpha = exp2f(mx[h] - shift[h]);  // 0 while mx is -inf
-            mx[h] = m_new;
-            l[h] *= alpha;
-#pragma unroll
-            for (int d = 0; d < HD / 8; d++) {
-                o[d][2 * h] *= alpha;
-                o[d][2 * h + 1] *= alpha;
-            }
-        }
+        float base[2];
+        softmax_step(tm, mx, l, o, base);
         // P (bf16, the A operand: keys 0..7 are tile 0, 8..15 tile 1) times V (ldmatrix with
         // transpose: lane l addresses key 8 ((l / 8) & 1) + l % 8, dims 8 d + 8 (l / 16)).
         u32 pa[4];
 #pragma unroll
         for (int t = 0; t < 2; t++) {
-            const u32 p01 = pack_bf2(exp2f(s[t][0] - shift[0]), exp2f(s[t][1] - shift[0]));
-            const u32 p23 = pack_bf2(exp2f(s[t][2] - shift[1]), exp2f(s[t][3] - shift[1]));
+            const u32 p01 = pack_bf2(exp2f(s[t][0] - base[0]), exp2f(s[t][1] - base[0]));
+            const u32 p23 = pack_bf2(exp2f(s[t][2] - base[1]), exp2f(s[t][3] - base[1]));
             // The sums take the rounded weights the product uses.
             l[0] += bflo(p01) + bfhi(p01);
             l[1] += bflo(p23) + bfhi(p23);
