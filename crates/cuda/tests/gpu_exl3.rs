@@ -108,6 +108,7 @@ impl Host {
             &xp,
             1,
             &mut y,
+            exl3::matmul::Activations::Exact,
         );
         y.truncate(self.rows);
         y.iter_mut().zip(&self.bias).for_each(|(v, b)| *v += b);
@@ -384,7 +385,16 @@ fn cpu_rows(h: &Host, x: &[f32], m: usize) -> Vec<f32> {
         xp[r * h.shape.k..][..h.cols].copy_from_slice(&x[r * h.cols..][..h.cols]);
     }
     let mut y = vec![0.0f32; m * h.shape.n];
-    exl3::matmul::matmul_tiles(&h.shape, &h.trellis, &h.suh, &h.svh, &xp, m, &mut y);
+    exl3::matmul::matmul_tiles(
+        &h.shape,
+        &h.trellis,
+        &h.suh,
+        &h.svh,
+        &xp,
+        m,
+        &mut y,
+        exl3::matmul::Activations::Exact,
+    );
     let mut out = Vec::with_capacity(m * h.rows);
     for r in 0..m {
         out.extend(

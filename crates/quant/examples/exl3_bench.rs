@@ -142,30 +142,33 @@ fn main() {
                 print(level.name(), &format!("{cb:?}"), &bits, &r);
                 std::hint::black_box(&trellis);
             }
-            if cb == Codebook::Mul1 && exl3::simd::q8_available() {
-                // The approximate int8-activation path, and its error against the exact one:
+            if cb == Codebook::Mul1 && exl3::simd::int16_available() {
+                // The int16-activation path, and its error against the exact one:
                 // RMS over all outputs of 16 rows, relative to the outputs' RMS.
                 let r: Vec<f64> = ROWS
                     .iter()
                     .zip(&xs)
                     .map(|(&m, x)| {
                         let mut y = vec![0.0f32; m * n];
+                        // The activations quantized once per call, as a layer does.
                         rate(k * n, || {
-                            exl3::simd::matmul_inner_q8(&shape, &trellis, x, m, 0, n / 16, &mut y)
+                            let q = exl3::simd::Int16Rows::new(x, m, k);
+                            exl3::simd::matmul_inner_int16(&shape, &trellis, &q, 0, n / 16, &mut y)
                         })
                     })
                     .collect();
                 let (x, m) = (&xs[2], 16);
                 let (mut a, mut b) = (vec![0.0f32; m * n], vec![0.0f32; m * n]);
                 exl3::matmul_inner(&shape, &trellis, x, m, 0, n / 16, &mut a);
-                exl3::simd::matmul_inner_q8(&shape, &trellis, x, m, 0, n / 16, &mut b);
+                let q = exl3::simd::Int16Rows::new(x, m, k);
+                exl3::simd::matmul_inner_int16(&shape, &trellis, &q, 0, n / 16, &mut b);
                 let e2: f64 = a
                     .iter()
                     .zip(&b)
                     .map(|(p, q)| ((p - q) as f64).powi(2))
                     .sum();
                 let y2: f64 = a.iter().map(|p| (*p as f64).powi(2)).sum();
-                print("q8-vnni", &format!("{cb:?}"), &bits, &r);
+                print("int16", &format!("{cb:?}"), &bits, &r);
                 println!(
                     "{:>18} rel. RMS error vs exact: {:.2e}",
                     "",

@@ -9,7 +9,7 @@
 
 use std::time::Instant;
 
-use trellm_quant::exl3::matmul::{matmul_tiles, matmul_tiles_gated, Layer};
+use trellm_quant::exl3::matmul::{matmul_tiles, matmul_tiles_gated, Activations::Exact, Layer};
 use trellm_quant::exl3::{Bitrate, Codebook, Exl3Shape};
 
 fn best_ms(mut f: impl FnMut()) -> f64 {
@@ -85,11 +85,12 @@ fn main() {
                 vec![0.0f32; rows * n],
             );
             let apart = best_ms(|| {
-                matmul_tiles(&shape, &tg, &sg, &vg, &x, rows, &mut g);
-                matmul_tiles(&shape, &tu, &su, &vu, &x, rows, &mut u);
+                matmul_tiles(&shape, &tg, &sg, &vg, &x, rows, &mut g, Exact);
+                matmul_tiles(&shape, &tu, &su, &vu, &x, rows, &mut u, Exact);
                 silu_mul(&mut g, &u);
             });
-            let fused = best_ms(|| matmul_tiles_gated(gate, up, &x, rows, &mut f, &silu_mul));
+            let fused =
+                best_ms(|| matmul_tiles_gated(gate, up, &x, rows, &mut f, &silu_mul, Exact));
             assert!(
                 f.iter().zip(&g).all(|(a, b)| a.to_bits() == b.to_bits()),
                 "the fused result differs"

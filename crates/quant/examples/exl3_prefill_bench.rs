@@ -9,7 +9,7 @@
 
 use std::time::Instant;
 
-use trellm_quant::exl3::matmul::{matmul_gemm, matmul_tiles};
+use trellm_quant::exl3::matmul::{matmul_gemm, matmul_tiles, Activations::Exact};
 use trellm_quant::exl3::{Bitrate, Codebook, Exl3Shape};
 
 fn main() {
@@ -65,7 +65,7 @@ fn main() {
                     let t = Instant::now();
                     pool.install(|| {
                         if path == 0 {
-                            matmul_tiles(&shape, &trellis, &suh, &svh, &x, rows, &mut y)
+                            matmul_tiles(&shape, &trellis, &suh, &svh, &x, rows, &mut y, Exact)
                         } else {
                             matmul_gemm(&shape, &trellis, &suh, &svh, &x, rows, &mut y)
                         }

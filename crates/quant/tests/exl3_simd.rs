@@ -177,12 +177,54 @@ fn default_entry_is_best_level() {
     assert_eq!(a, b);
 }
 
-/// The approximate int8-activation MUL1 path (where the machine has AVX-512 VNNI) stays within
-/// 1% RMS of the exact kernel.
+/// The int16-activation MUL1 kernel against its scalar twin, bit for bit: every bitrate, 1-17
+/// and 33 activation rows, column ranges that start off a column group and end with a partial one.
 #[cfg(target_arch = "x86_64")]
 #[test]
-fn q8_path_is_close() {
-    if !trellm_quant::exl3::simd::q8_available() {
+fn int16_kernel_matches_its_scalar_twin() {
+    use trellm_quant::exl3::simd::{
+        int16_available, matmul_inner_int16, matmul_inner_int16_scalar, Int16Rows,
+    };
+    if !int16_available() {
+        eprintln!(
+            "skipped: this CPU lacks AVX-512 VNNI or VBMI2 (the int16 path is not used here)"
+        );
+        return;
+    }
+    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+    for rate in rates(Codebook::Mul1) {
+        let shape = Exl3Shape::from_trellis(&[8, 24, rate.tile_words()], Codebook::Mul1).unwrap();
+        let trellis = rng.bytes(shape.trellis_bytes());
+        for m in [1usize, 2, 3, 4, 5, 6, 8, 11, 16, 17, 33] {
+            let x: Vec<f32> = (0..m * 128)
+                .map(|_| (rng.next() % 2001) as f32 / 1000.0 - 1.0)
+                .collect();
+            let q = Int16Rows::new(&x, m, 128);
+            for (tn0, tn1) in [(0, 24), (3, 21), (5, 6)] {
+                let w = 16 * (tn1 - tn0);
+                let (mut a, mut b) = (vec![f32::NAN; m * w], vec![f32::NAN; m * w]);
+                matmul_inner_int16(&shape, &trellis, &q, tn0, tn1, &mut a);
+                matmul_inner_int16_scalar(&shape, &trellis, &q, tn0, tn1, &mut b);
+                assert!(
+                    a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()),
+                    "K={} m={m} tiles {tn0}..{tn1}: the kernel differs from its twin",
+                    rate.bits()
+                );
+            }
+        }
+    }
+}
+
+/// The int16-activation MUL1 path (where the machine has AVX-512 VNNI and VBMI2) stays within
+/// 0.1% RMS of the exact kernel (measured: 0.02%, mostly the weights' fp16 rounding it skips).
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn int16_path_is_close() {
+    use trellm_quant::exl3::simd::{int16_available, matmul_inner_int16, Int16Rows};
+    if !int16_available() {
+        eprintln!(
+            "skipped: this CPU lacks AVX-512 VNNI or VBMI2 (the int16 path is not used here)"
+        );
         return;
     }
     let mut rng = Rng(99);
@@ -200,7 +242,14 @@ fn q8_path_is_close() {
                 .collect();
             let (mut a, mut b) = (vec![0.0f32; m * 384], vec![0.0f32; m * 384]);
             exl3::matmul_inner(&shape, &trellis, &xh, m, 0, 24, &mut a);
-            trellm_quant::exl3::simd::matmul_inner_q8(&shape, &trellis, &xh, m, 0, 24, &mut b);
+            matmul_inner_int16(
+                &shape,
+                &trellis,
+                &Int16Rows::new(&xh, m, 256),
+                0,
+                24,
+                &mut b,
+            );
             let e2: f64 = a
                 .iter()
                 .zip(&b)
@@ -209,7 +258,7 @@ fn q8_path_is_close() {
             let y2: f64 = a.iter().map(|p| (*p as f64).powi(2)).sum();
             let rel = (e2 / y2).sqrt();
             assert!(
-                rel < 1e-2,
+                rel < 1e-3,
                 "K={} m={m}: relative RMS error {rel}",
                 rate.bits()
             );

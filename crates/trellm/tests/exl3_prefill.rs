@@ -1,11 +1,12 @@
-//! The EXL3 prefill path (each band of `W_inner` decoded exactly to f32, then a GEMM) against the
-//! tile-kernel path, its exact twin, on random layers: every codebook, several K, 17/64/100
-//! activation rows, within f32 rounding of `sum |x w|`. Also the rows where `exl3_linear`
-//! switches from one to the other.
+//! The EXL3 prefill path (the Hadamards and scales folded into the exactly decoded weights,
+//! then a GEMM) against the tile-kernel path, its exact twin, on random layers: every codebook,
+//! several K, 17/64/100 activation rows, layers of more output bands than one GEMM pass takes,
+//! and layers padded to 128s (fewer inputs and outputs than stored), within f32 rounding of
+//! `sum |x w|`. Also the rows where `exl3_linear` switches from one to the other.
 
 use trellm_quant::exl3::matmul::{
     linear as exl3_linear, matmul_gemm as exl3_matmul_gemm, matmul_tiles as exl3_matmul_tiles,
-    GEMM_MIN_ROWS as EXL3_GEMM_MIN_ROWS,
+    Activations::Exact, GEMM_MIN_ROWS as EXL3_GEMM_MIN_ROWS,
 };
 use trellm_quant::exl3::{self, Bitrate, Codebook, Exl3Shape};
 
@@ -79,7 +80,9 @@ fn check(l: &Layer, rng: &mut Rng, rows: usize, what: &str) {
     let (k, n) = (l.shape.k, l.shape.n);
     let x: Vec<f32> = (0..rows * k).map(|_| rng.f32()).collect();
     let mut want = vec![f32::NAN; rows * n];
-    exl3_matmul_tiles(&l.shape, &l.trellis, &l.suh, &l.svh, &x, rows, &mut want);
+    exl3_matmul_tiles(
+        &l.shape, &l.trellis, &l.suh, &l.svh, &x, rows, &mut want, Exact,
+    );
     let mut got = vec![f32::NAN; rows * n];
     exl3_matmul_gemm(&l.shape, &l.trellis, &l.suh, &l.svh, &x, rows, &mut got);
     let s = scales(l, &x, rows);
@@ -99,7 +102,7 @@ fn check(l: &Layer, rng: &mut Rng, rows: usize, what: &str) {
 
 #[test]
 fn gemm_path_matches_tile_path() {
-    // Four threads, so that single-band layers split their rows (each part decodes the band).
+    // Four threads: more than some layers have bands.
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(4)
         .build()
@@ -116,6 +119,7 @@ fn gemm_path_matches_tile_path() {
             (Codebook::Mul1, Bitrate::int(3), 512, 384),
             (Codebook::Mul1, Bitrate::int(6), 256, 256),
             (Codebook::Mcg, Bitrate::int(4), 2048, 128),
+            (Codebook::Mul1, Bitrate::int(3), 128, 1280),
         ];
         for (cb, rate, k, n) in cases {
             let l = layer(&mut rng, k, n, rate, cb);
@@ -143,12 +147,51 @@ fn linear_switches_paths_at_the_threshold() {
         if rows >= EXL3_GEMM_MIN_ROWS {
             exl3_matmul_gemm(&l.shape, &l.trellis, &l.suh, &l.svh, &x, rows, &mut want);
         } else {
-            exl3_matmul_tiles(&l.shape, &l.trellis, &l.suh, &l.svh, &x, rows, &mut want);
+            exl3_matmul_tiles(
+                &l.shape, &l.trellis, &l.suh, &l.svh, &x, rows, &mut want, Exact,
+            );
         }
         assert_eq!(
             got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
             want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
             "rows={rows}"
         );
+    }
+}
+
+/// A layer stored padded to 128s (exllamav3's layout for dims that are not multiples of 128):
+/// the GEMM path takes the model's `cols` inputs and gives its `rows` outputs directly, equal
+/// (within rounding) to the tile path on the zero-extended inputs, its outputs cut.
+#[test]
+fn gemm_path_takes_padded_dims() {
+    let mut rng = Rng(0x2545_F491_4F6C_DD1D);
+    for (k, n, cols, rows_out) in [
+        (256, 384, 200, 300),
+        (640, 1280, 576, 1152),
+        (128, 256, 128, 130),
+    ] {
+        let l = layer(&mut rng, k, n, Bitrate::int(3), Codebook::Mul1);
+        let rows = 40;
+        let x: Vec<f32> = (0..rows * cols).map(|_| rng.f32()).collect();
+        let mut xp = vec![0.0f32; rows * k];
+        for (d, s) in xp.chunks_mut(k).zip(x.chunks(cols)) {
+            d[..cols].copy_from_slice(s);
+        }
+        let mut full = vec![f32::NAN; rows * n];
+        exl3_matmul_tiles(
+            &l.shape, &l.trellis, &l.suh, &l.svh, &xp, rows, &mut full, Exact,
+        );
+        let mut got = vec![f32::NAN; rows * rows_out];
+        exl3_matmul_gemm(&l.shape, &l.trellis, &l.suh, &l.svh, &x, rows, &mut got);
+        let s = scales(&l, &xp, rows);
+        for t in 0..rows {
+            for c in 0..rows_out {
+                let (g, w) = (got[t * rows_out + c], full[t * n + c]);
+                assert!(
+                    (g - w).abs() <= 1e-5 * s[t * n + c],
+                    "{k}x{n} as {cols}x{rows_out}: row {t} output {c}: {g} against {w}"
+                );
+            }
+        }
     }
 }

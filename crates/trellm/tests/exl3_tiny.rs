@@ -10,7 +10,10 @@ use std::path::{Path, PathBuf};
 
 use safetensors::SafeTensors;
 use serde_json::Value;
+use trellm::backend::cpu::Exl3Activations;
+use trellm::backend::SoloSequence;
 use trellm::model::weights::LinearWeight;
+use trellm_model::Want;
 
 /// exllamav3 runs in fp16. Rounding our own activations to fp16 (after every projection, norm
 /// and attention) moves single logprobs of these models by up to 0.04-0.11 (measured), as
@@ -118,10 +121,33 @@ fn argmax(x: &[f64]) -> usize {
     (0..x.len()).fold(0, |b, i| if x[i] > x[b] { i } else { b })
 }
 
-/// Compares one folder; returns (largest, mean) |difference|.
+/// Our log-probability rows with every prompt position run as its own decode step (the few-row
+/// kernels, on the path `acts` names), in process.
+fn ours_decoding(dir: &Path, ids: &[u64], acts: Exl3Activations) -> Vec<Vec<f64>> {
+    let mut lm = trellm::model::load::load(dir).unwrap();
+    std::sync::Arc::get_mut(&mut lm.model)
+        .unwrap()
+        .exl3_activations = acts;
+    let mut seq = SoloSequence::new(&*lm.model, ids.len() + 1).unwrap();
+    ids.iter()
+        .map(|&id| {
+            let logits = seq.forward(&[id as u32], Want::Last).unwrap();
+            log_softmax(&logits.iter().map(|&v| v as f64).collect::<Vec<_>>())
+        })
+        .collect()
+}
+
+/// Compares one folder (the prompt as one prefill through the CLI); returns (largest, mean)
+/// |difference|.
 fn check(dir: &Path) -> (f64, f64) {
-    let (ids, logits) = oracle(dir);
+    let (ids, _) = oracle(dir);
     let ours = ours(dir, &ids);
+    check_rows(dir, &ours)
+}
+
+/// `ours` against exllamav3's rows of one folder; returns (largest, mean) |difference|.
+fn check_rows(dir: &Path, ours: &[Vec<f64>]) -> (f64, f64) {
+    let (ids, logits) = oracle(dir);
     assert_eq!(ours.len(), ids.len(), "one row per prompt position");
     let (mut worst, mut sum, mut count) = (0.0f64, 0.0f64, 0usize);
     for (pos, (o, l)) in ours.iter().zip(&logits).enumerate() {
@@ -163,6 +189,23 @@ fn logits_match_exllamav3() {
         report.push(format!("{tag} max {worst:.3} mean {mean:.1e}"));
     }
     eprintln!("|logprob - exllamav3|: {}", report.join(", "));
+}
+
+/// The same oracle with every position a decode step, on both of the decode kernels' paths: the
+/// int8 activations (MUL1's default) stay within the bounds the exact path is held to, with the
+/// same top-1 token wherever exllamav3's top-2 gap is not a tie.
+#[test]
+fn decode_steps_match_exllamav3_on_both_paths() {
+    let mut report = Vec::new();
+    for (tag, _) in FOLDERS {
+        let d = dir(tag);
+        let (ids, _) = oracle(&d);
+        for acts in [Exl3Activations::Exact, Exl3Activations::Int16] {
+            let (worst, mean) = check_rows(&d, &ours_decoding(&d, &ids, acts));
+            report.push(format!("{tag} {acts:?} max {worst:.3} mean {mean:.1e}"));
+        }
+    }
+    eprintln!("|logprob - exllamav3|, decode steps: {}", report.join(", "));
 }
 
 /// The projections and the head stay compressed, at the K the shapes say.
@@ -224,21 +267,23 @@ fn padded_layers_take_the_model_dims() {
     let x: Vec<f32> = (0..h)
         .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
         .collect();
-    let (mut yf, mut yc) = (vec![0.0f32; 768], vec![0.0f32; 700]);
-    linear(&x, 1, &fl.up.w, &mut yf);
-    linear(&x, 1, &cl.up.w, &mut yc);
-    assert_eq!(cl.up.w.rows(), 700);
-    assert_eq!(&yf[..700], &yc[..]);
-    let a: Vec<f32> = (0..700)
-        .map(|i| ((i * 53 % 89) as f32 - 44.0) / 30.0)
-        .collect();
-    let mut a_full = a.clone();
-    a_full.resize(768, 0.0);
-    let (mut df, mut dc) = (vec![0.0f32; h], vec![0.0f32; h]);
-    linear(&a_full, 1, &fl.down.w, &mut df);
-    linear(&a, 1, &cl.down.w, &mut dc);
-    assert_eq!(cl.down.w.cols(), 700);
-    assert_eq!(df, dc);
+    for acts in [Exl3Activations::Exact, Exl3Activations::Int16] {
+        let (mut yf, mut yc) = (vec![0.0f32; 768], vec![0.0f32; 700]);
+        linear(&x, 1, &fl.up.w, &mut yf, acts);
+        linear(&x, 1, &cl.up.w, &mut yc, acts);
+        assert_eq!(cl.up.w.rows(), 700);
+        assert_eq!(&yf[..700], &yc[..]);
+        let a: Vec<f32> = (0..700)
+            .map(|i| ((i * 53 % 89) as f32 - 44.0) / 30.0)
+            .collect();
+        let mut a_full = a.clone();
+        a_full.resize(768, 0.0);
+        let (mut df, mut dc) = (vec![0.0f32; h], vec![0.0f32; h]);
+        linear(&a_full, 1, &fl.down.w, &mut df, acts);
+        linear(&a, 1, &cl.down.w, &mut dc, acts);
+        assert_eq!(cl.down.w.cols(), 700);
+        assert_eq!(df, dc);
+    }
     // And the whole model runs on it.
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_trellm"))
         .args(["generate", "--model"])
@@ -269,27 +314,43 @@ fn fused_gate_up_equals_the_projections_apart() {
         let (h, ff) = (m.model.cfg.hidden, m.model.cfg.intermediate);
         for (l, lw) in m.model.weights.layers.iter().enumerate() {
             let gate = lw.gate.as_ref().unwrap();
-            for seq_rows in [vec![1usize], vec![3], vec![8], vec![2, 5, 1], vec![17]] {
+            for (seq_rows, acts) in [vec![1usize], vec![3], vec![8], vec![2, 5, 1], vec![17]]
+                .into_iter()
+                .flat_map(|r| {
+                    [
+                        (r.clone(), Exl3Activations::Exact),
+                        (r, Exl3Activations::Int16),
+                    ]
+                })
+            {
                 let n: usize = seq_rows.iter().sum();
                 let x: Vec<f32> = (0..n * h)
                     .map(|i| ((i * 37 + l * 11) % 101) as f32 / 25.0 - 2.0)
                     .collect();
                 let mut fused = vec![0.0f32; n * ff];
-                let took = gated_exl3(&x, &seq_rows, gate, &lw.up, Activation::Silu, &mut fused);
+                let took = gated_exl3(
+                    &x,
+                    &seq_rows,
+                    gate,
+                    &lw.up,
+                    Activation::Silu,
+                    &mut fused,
+                    acts,
+                );
                 assert_eq!(took, n < 17, "{}: {seq_rows:?}", d.display());
                 if !took {
                     continue;
                 }
                 let (mut g, mut u) = (vec![0.0f32; n * ff], vec![0.0f32; n * ff]);
-                linear_batched(&x, &seq_rows, &gate.w, &mut g);
-                linear_batched(&x, &seq_rows, &lw.up.w, &mut u);
+                linear_batched(&x, &seq_rows, &gate.w, &mut g, acts);
+                linear_batched(&x, &seq_rows, &lw.up.w, &mut u, acts);
                 gated_activation(Activation::Silu, &mut g, &u);
                 assert!(
                     fused
                         .iter()
                         .zip(&g)
                         .all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "{} layer {l} {seq_rows:?}: the fused gate/up differs",
+                    "{} layer {l} {seq_rows:?} {acts:?}: the fused gate/up differs",
                     d.display()
                 );
             }

@@ -53,7 +53,7 @@ fn compare(path: &Path, world: usize, prompt: &[u32], steps: usize) -> (f32, boo
             last = seq.forward(&[id], Want::Last).unwrap();
         }
     }
-    let sharded = ShardedCpu::new(full.cfg.clone(), &full.weights, world).unwrap();
+    let sharded = ShardedCpu::new(full, world).unwrap();
     let (a, b) = (run(full, prompt, &ids), run(&sharded, prompt, &ids));
     let (mut worst, mut same) = (0.0f32, true);
     for (x, y) in a.iter().zip(&b) {
@@ -123,7 +123,7 @@ fn three_ranks_match_one_on_smollm2() {
 fn models_that_do_not_split_are_refused_clearly() {
     let err = |name: &str, world: usize| {
         let lm = load(&fixture(name)).unwrap();
-        match ShardedCpu::new(lm.model.cfg.clone(), &lm.model.weights, world) {
+        match ShardedCpu::new(&lm.model, world) {
             Ok(_) => panic!("{name} over {world} ranks was accepted"),
             Err(e) => format!("{e:#}"),
         }
@@ -135,7 +135,7 @@ fn models_that_do_not_split_are_refused_clearly() {
     // SmolLM2 (Q4_1, 32-value blocks) over 9 ranks would need a 3-kv-head split: refused; over
     // 3 it splits (tested above).
     let lm = load(&common::model_path("smollm2-135m-instruct")).unwrap();
-    let e = ShardedCpu::new(lm.model.cfg.clone(), &lm.model.weights, 9)
+    let e = ShardedCpu::new(&lm.model, 9)
         .err()
         .map(|e| format!("{e:#}"))
         .unwrap_or_default();

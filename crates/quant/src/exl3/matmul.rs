@@ -1,12 +1,13 @@
-//! The EXL3 matmul over whole layers: the input Hadamard once per row, then per 128-output band
-//! either the tile kernels (few rows: each tile decoded once per 16 rows) or the band decoded
-//! exactly to f32 once and a GEMM (many rows), then the output Hadamard and scales per band.
-//! Bands run in parallel on the caller's rayon pool.
+//! The EXL3 matmul over whole layers. Few rows: the input Hadamard once per row, the tile
+//! kernels per 128-output band (each tile decoded once per 16 rows, on f32 or int16
+//! activations), then the output Hadamard and scales per band. Many rows: the Hadamards and
+//! scales folded into the exactly decoded weights, then one GEMM per 1024 outputs. Both run on
+//! the caller's rayon pool.
 
 use rayon::prelude::*;
 
-use super::simd::{self, Level};
-use super::{hadamard128, matmul_inner, Exl3Shape};
+use super::simd;
+use super::{hadamard128, matmul_inner, Codebook, Exl3Shape};
 
 /// Activation rows from which decoding each 128-output band of `W_inner` to f32 once and
 /// multiplying it with a GEMM beats the tile kernels (which decode every tile once per 16 rows).
@@ -32,7 +33,53 @@ pub fn linear(
     if rows >= GEMM_MIN_ROWS {
         matmul_gemm(shape, trellis, suh, svh, x, rows, y);
     } else {
-        matmul_tiles(shape, trellis, suh, svh, x, rows, y);
+        matmul_tiles(shape, trellis, suh, svh, x, rows, y, Activations::Exact);
+    }
+}
+
+/// What the tile kernels multiply the weights with.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Activations {
+    /// The f32 activations and each weight's exact fp16 codebook value, f32 sums.
+    #[default]
+    Exact,
+    /// On MUL1 layers where the CPU has AVX-512 VNNI and VBMI2: the activations as int16 per
+    /// 16 inputs and MUL1's values before their fp16 rounding, integer sums per tile
+    /// ([`simd::matmul_inner_int16`]); elsewhere [`Activations::Exact`].
+    Int16,
+}
+
+/// A layer's rotated input rows as one of its bands' tile kernels takes them.
+enum Inputs {
+    F32(Vec<f32>),
+    Int16(simd::Int16Rows),
+}
+
+impl Inputs {
+    fn new(shape: &Exl3Shape, suh: &[f32], x: &[f32], n: usize, acts: Activations) -> Inputs {
+        let xh = rotate_inputs(shape.k, suh, x);
+        if acts == Activations::Int16 && shape.codebook == Codebook::Mul1 && simd::int16_available()
+        {
+            Inputs::Int16(simd::Int16Rows::new(&xh, n, shape.k))
+        } else {
+            Inputs::F32(xh)
+        }
+    }
+
+    /// Output tiles `tn0..tn1` for all `n` rows into `out` (`[n][16 (tn1 - tn0)]`).
+    fn tiles(
+        &self,
+        shape: &Exl3Shape,
+        trellis: &[u8],
+        n: usize,
+        tn0: usize,
+        tn1: usize,
+        out: &mut [f32],
+    ) {
+        match self {
+            Inputs::F32(xh) => matmul_inner(shape, trellis, xh, n, tn0, tn1, out),
+            Inputs::Int16(q) => simd::matmul_inner_int16(shape, trellis, q, tn0, tn1, out),
+        }
     }
 }
 
@@ -54,8 +101,9 @@ fn rotate_outputs(r: &mut [f32], svh: &[f32]) {
 }
 
 /// The tile-kernel path: the weights are decoded one 16x16 tile at a time, each tile once for
-/// up to 16 rows. Work is split into 128-output bands. Also the exact twin that tests hold
-/// [`matmul_gemm`] to.
+/// up to 16 rows. Work is split into 128-output bands. With [`Activations::Exact`], also the
+/// exact twin that tests hold [`matmul_gemm`] and the int16 path to.
+#[allow(clippy::too_many_arguments)]
 pub fn matmul_tiles(
     shape: &Exl3Shape,
     trellis: &[u8],
@@ -64,11 +112,12 @@ pub fn matmul_tiles(
     x: &[f32],
     n: usize,
     y: &mut [f32],
+    acts: Activations,
 ) {
     let (k, out) = (shape.k, shape.n);
     assert_eq!(x.len(), n * k);
     assert_eq!(y.len(), n * out);
-    let xh = rotate_inputs(k, suh, x);
+    let xh = Inputs::new(shape, suh, x, n, acts);
     const BAND: usize = BAND_OUT;
     // Band-major results `[band][row][128]`, then scattered into token-major `y`.
     let mut bands = vec![0.0f32; n * out];
@@ -77,7 +126,7 @@ pub fn matmul_tiles(
         .enumerate()
         .for_each(|(b, buf)| {
             let tn0 = b * BAND / 16;
-            matmul_inner(shape, trellis, &xh, n, tn0, tn0 + BAND / 16, buf);
+            xh.tiles(shape, trellis, n, tn0, tn0 + BAND / 16, buf);
             for r in buf.chunks_mut(BAND) {
                 rotate_outputs(r, &svh[b * BAND..(b + 1) * BAND]);
             }
@@ -116,6 +165,7 @@ pub fn matmul_tiles_gated(
     n: usize,
     y: &mut [f32],
     combine: &(dyn Fn(&mut [f32], &[f32]) + Sync),
+    acts: Activations,
 ) {
     let (k, out) = (gate.shape.k, gate.shape.n);
     assert!(
@@ -124,7 +174,8 @@ pub fn matmul_tiles_gated(
     );
     assert_eq!(x.len(), n * k);
     assert_eq!(y.len(), n * out);
-    let (xg, xu) = (rotate_inputs(k, gate.suh, x), rotate_inputs(k, up.suh, x));
+    let xg = Inputs::new(gate.shape, gate.suh, x, n, acts);
+    let xu = Inputs::new(up.shape, up.suh, x, n, acts);
     const BAND: usize = BAND_OUT;
     let mut bands = vec![0.0f32; n * out];
     bands
@@ -133,8 +184,8 @@ pub fn matmul_tiles_gated(
         .for_each(|(b, buf)| {
             let (tn0, tn1) = (b * BAND / 16, (b + 1) * BAND / 16);
             let mut ub = vec![0.0f32; n * BAND];
-            matmul_inner(gate.shape, gate.trellis, &xg, n, tn0, tn1, buf);
-            matmul_inner(up.shape, up.trellis, &xu, n, tn0, tn1, &mut ub);
+            xg.tiles(gate.shape, gate.trellis, n, tn0, tn1, buf);
+            xu.tiles(up.shape, up.trellis, n, tn0, tn1, &mut ub);
             let bs = b * BAND..(b + 1) * BAND;
             for (g, u) in buf.chunks_mut(BAND).zip(ub.chunks_mut(BAND)) {
                 rotate_outputs(g, &gate.svh[bs.clone()]);
@@ -145,28 +196,132 @@ pub fn matmul_tiles_gated(
     scatter_bands(&bands, n, out, y);
 }
 
-/// `W_inner[:, 128 b .. 128 b + 128]` decoded exactly (the codec's fp16 values as f32, tile
-/// by tile with the SIMD decoder) into `band`, row-major `[k][128]`.
-fn decode_band(shape: &Exl3Shape, trellis: &[u8], level: Level, b: usize, band: &mut [f32]) {
+/// Output bands a [`matmul_gemm`] pass folds and multiplies at once: 1024 outputs (a 4 MB f32
+/// block at k = 1024), so a vocabulary-sized head never needs its whole f32 copy.
+const GEMM_BANDS: usize = 8;
+
+/// `W_eff = diag(suh) H W_inner H diag(svh)` for the output bands `b0..b0 + width / 128`, into
+/// `w` (`[k][stride]`, the first `width` columns), one 128 x 128 block at a time: its 64 tiles
+/// decoded exactly in memory order (each tile row of a band is contiguous in the file), the
+/// input Hadamard down its columns, then per row the output Hadamard, `svh` and `suh`. Bands
+/// run in parallel, each writing only its own columns.
+#[allow(clippy::too_many_arguments)]
+fn fold_bands(
+    shape: &Exl3Shape,
+    trellis: &[u8],
+    suh: &[f32],
+    svh: &[f32],
+    b0: usize,
+    width: usize,
+    stride: usize,
+    w: &mut [f32],
+) {
     const BAND: usize = BAND_OUT;
-    debug_assert_eq!(band.len(), shape.k * BAND);
-    let mut tile = [0.0f32; 256];
-    for tk in 0..shape.tiles_k() {
-        let rows = &mut band[tk * 16 * BAND..(tk + 1) * 16 * BAND];
-        for j in 0..BAND / 16 {
-            simd::decode_tile_with(
-                level,
-                shape.tile(trellis, tk, b * BAND / 16 + j),
-                shape.rate,
-                shape.codebook,
-                &mut tile,
-            );
+    let k = shape.k;
+    assert!(w.len() >= k * stride && width <= stride);
+    let wp = SendPtr(w.as_mut_ptr());
+    (0..width / BAND).into_par_iter().for_each_init(
+        || vec![[0.0f32; BAND]; 128],
+        |block, i| {
+            let b = b0 + i;
+            let svh = &svh[b * BAND..(b + 1) * BAND];
+            let tb = shape.rate.tile_bytes();
+            for k0 in (0..k).step_by(128) {
+                for t in 0..8 {
+                    // The band's tiles two tile rows ahead: a tile row's are contiguous, but
+                    // the next one is a whole row of the trellis away.
+                    let ahead = k0 / 16 + t + 2;
+                    if ahead < shape.tiles_k() {
+                        let first = shape.tile(trellis, ahead, b * BAND / 16).as_ptr();
+                        let at = first as usize - trellis.as_ptr() as usize;
+                        simd::prefetch(&trellis[at..at + BAND / 16 * tb]);
+                    }
+                    let rows = block[16 * t..16 * t + 16].as_flattened_mut();
+                    for j in 0..BAND / 16 {
+                        simd::decode_tile_rows(
+                            shape.tile(trellis, k0 / 16 + t, b * BAND / 16 + j),
+                            shape.rate,
+                            shape.codebook,
+                            &mut rows[16 * j..],
+                            BAND,
+                        );
+                    }
+                }
+                hadamard128_down(block);
+                for (r, v) in block.iter_mut().enumerate() {
+                    hadamard128(v);
+                    // SAFETY: row k0 + r's columns 128 i .. 128 i + 128 of `w`, which only this
+                    // task writes.
+                    let dst = unsafe {
+                        std::slice::from_raw_parts_mut(
+                            wp.get().add((k0 + r) * stride + i * BAND),
+                            BAND,
+                        )
+                    };
+                    // suh scales the whole row, so it may come after the output Hadamard.
+                    let s = suh[k0 + r] * super::hadamard::SCALE;
+                    for ((d, x), o) in dst.iter_mut().zip(v.iter()).zip(svh) {
+                        *d = x * o * s;
+                    }
+                }
+            }
+        },
+    );
+}
+
+/// The unscaled 128-point Hadamard butterfly down the 128 rows of a block (each row's
+/// elements in parallel), 16 columns at a time in two passes over them: spans 1-8 within each
+/// 16 rows, then spans 16-64 across them (the same sums and differences as one stage at a time).
+fn hadamard128_down(s: &mut [[f32; BAND_OUT]]) {
+    /// The butterfly over `v` (spans 1 .. v.len() / 2), a lane-wise vector per element.
+    #[inline(always)]
+    fn butterfly<const N: usize>(v: &mut [[f32; 16]; N]) {
+        let mut h = 1;
+        while h < N {
+            for a in (0..N).step_by(2 * h) {
+                for r in a..a + h {
+                    let (p, q) = (v[r], v[r + h]);
+                    for l in 0..16 {
+                        v[r][l] = p[l] + q[l];
+                        v[r + h][l] = p[l] - q[l];
+                    }
+                }
+            }
+            h *= 2;
+        }
+    }
+    #[inline(always)]
+    fn run(s: &mut [[f32; BAND_OUT]]) {
+        for c in (0..BAND_OUT).step_by(16) {
+            for g in (0..128).step_by(16) {
+                let mut v: [[f32; 16]; 16] =
+                    std::array::from_fn(|r| s[g + r][c..c + 16].try_into().unwrap());
+                butterfly(&mut v);
+                for (r, x) in v.iter().enumerate() {
+                    s[g + r][c..c + 16].copy_from_slice(x);
+                }
+            }
             for r in 0..16 {
-                rows[r * BAND + 16 * j..r * BAND + 16 * j + 16]
-                    .copy_from_slice(&tile[16 * r..16 * r + 16]);
+                let mut v: [[f32; 16]; 8] =
+                    std::array::from_fn(|g| s[16 * g + r][c..c + 16].try_into().unwrap());
+                butterfly(&mut v);
+                for (g, x) in v.iter().enumerate() {
+                    s[16 * g + r][c..c + 16].copy_from_slice(x);
+                }
             }
         }
     }
+    assert_eq!(s.len(), 128);
+    #[cfg(target_arch = "x86_64")]
+    if simd::Level::Avx512.is_available() {
+        #[target_feature(enable = "avx512f")]
+        unsafe fn wide(s: &mut [[f32; BAND_OUT]]) {
+            run(s)
+        }
+        // SAFETY: AVX-512 F is available.
+        return unsafe { wide(s) };
+    }
+    run(s)
 }
 
 /// A pointer that may cross threads: tasks write disjoint parts of what it points to.
@@ -184,10 +339,12 @@ impl SendPtr {
     }
 }
 
-/// The prefill path: each 128-output band of `W_inner` decoded exactly to f32 once (per task),
-/// then `xh · band` by the `gemm` crate, written straight into `y`'s columns and rotated there.
-/// Bands run in parallel; where they are fewer than the threads, the rows are split too (each
-/// part decodes its band again). Wider blocks than one band measured no faster.
+/// The prefill path: the Hadamards and scales folded into the weights, `W_eff = diag(suh) H
+/// W_inner H diag(svh)`, built in f32 from the exact decoded values for up to [`GEMM_BANDS`]
+/// output bands at a time, then `x · W_eff` by the `gemm` crate straight from `x` into `y`. `x`
+/// may hold fewer than `k` inputs a row and `y` fewer than `n` outputs (exllamav3 pads both to
+/// 128s): the GEMM reads only the model's columns of `W_eff`, so neither the padding nor the
+/// per-row rotations cost anything here.
 pub fn matmul_gemm(
     shape: &Exl3Shape,
     trellis: &[u8],
@@ -199,62 +356,57 @@ pub fn matmul_gemm(
 ) {
     const BAND: usize = BAND_OUT;
     let (k, out) = (shape.k, shape.n);
-    assert_eq!(x.len(), n * k);
-    assert_eq!(y.len(), n * out);
+    assert!(n > 0, "no rows");
+    let (cols, rows) = (x.len() / n, y.len() / n);
+    assert!(
+        x.len() == n * cols && y.len() == n * rows && cols <= k && rows <= out,
+        "x, y: whole rows of at most the layer's (padded) dims"
+    );
     assert_eq!(suh.len(), k);
     assert_eq!(svh.len(), out);
     assert_eq!(trellis.len(), shape.trellis_bytes());
-    let xh = rotate_inputs(k, suh, x);
-    let level = simd::best_level();
-    let bands = out / BAND;
     let threads = rayon::current_num_threads();
-    // Row parts per band: enough tasks for every thread, at least 64 rows each.
-    let parts = threads.div_ceil(bands).min(n.div_ceil(64)).max(1);
-    let rows_per_part = n.div_ceil(parts);
-    let yp = SendPtr(y.as_mut_ptr());
-    (0..bands * parts).into_par_iter().for_each_init(
-        || vec![0.0f32; k * BAND],
-        |band, task| {
-            let (b, p) = (task / parts, task % parts);
-            let t0 = p * rows_per_part;
-            let t1 = ((p + 1) * rows_per_part).min(n);
-            if t0 >= t1 {
-                return;
-            }
-            decode_band(shape, trellis, level, b, band);
-            // SAFETY: dst is rows t0..t1, columns 128 b..128 b + 128 of y (row stride `out`),
-            // which no other task touches; lhs is rows t0..t1 of xh (row stride k); rhs is
-            // `band`, k x 128 row-major. All lie within their buffers.
-            unsafe {
-                gemm::gemm(
-                    t1 - t0,
-                    BAND,
-                    k,
-                    yp.get().add(t0 * out + b * BAND),
-                    1,
-                    out as isize,
-                    false,
-                    xh.as_ptr().add(t0 * k),
-                    1,
-                    k as isize,
-                    band.as_ptr(),
-                    1,
-                    BAND as isize,
-                    0.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
-                    gemm::Parallelism::None,
-                );
-            }
-            for t in t0..t1 {
-                // SAFETY: the same disjoint columns of row t, written by this task only.
-                let r = unsafe {
-                    std::slice::from_raw_parts_mut(yp.get().add(t * out + b * BAND), BAND)
-                };
-                rotate_outputs(r, &svh[b * BAND..(b + 1) * BAND]);
-            }
-        },
-    );
+    let par = if threads > 1 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
+    // Rows a little longer than a power of two: the input Hadamard walks down the columns, and
+    // rows 4 KB apart would all fall in the same L1 sets.
+    let stride = GEMM_BANDS.min(out / BAND) * BAND + 16;
+    let mut w = vec![0.0f32; k * stride];
+    for b0 in (0..out / BAND).step_by(GEMM_BANDS) {
+        let (c0, c1) = (b0 * BAND, ((b0 + GEMM_BANDS) * BAND).min(out));
+        if c0 >= rows {
+            break;
+        }
+        fold_bands(shape, trellis, suh, svh, b0, c1 - c0, stride, &mut w);
+        let c1 = c1.min(rows);
+        // SAFETY: dst is rows 0..n, columns c0..c1 of y (row stride `rows`); lhs is x, n x cols
+        // (row stride cols); rhs is W_eff's columns c0..c1 over its first `cols` inputs, element
+        // (i, j) at i stride + j - c0 in `w`. All lie within their buffers.
+        unsafe {
+            gemm::gemm(
+                n,
+                c1 - c0,
+                cols,
+                y.as_mut_ptr().add(c0),
+                1,
+                rows as isize,
+                false,
+                x.as_ptr(),
+                1,
+                cols as isize,
+                w.as_ptr(),
+                1,
+                stride as isize,
+                0.0,
+                1.0,
+                false,
+                false,
+                false,
+                par,
+            );
+        }
+    }
 }

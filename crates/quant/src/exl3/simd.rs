@@ -23,9 +23,9 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 #[cfg(target_arch = "x86_64")]
-mod q8;
+mod int16;
 #[cfg(target_arch = "x86_64")]
-pub use q8::{matmul_inner_q8, q8_available};
+pub use int16::{int16_available, matmul_inner_int16, matmul_inner_int16_scalar, Int16Rows};
 
 /// Activation rows handled per decoded tile.
 pub const MAX_ROWS: usize = 16;
@@ -39,6 +39,9 @@ pub(crate) enum Order {
     /// Per 128-bit block of eight lanes, four columns of the first row then four of the second
     /// (16-bit to 32-bit `unpacklo`/`unpackhi`): MUL1's path.
     Unpack,
+    /// Column `c` of both rows in the 32-bit lane `c` (first row low): the int16 path's
+    /// `vpdpbusd` sums a lane's bytes, so both rows of a column land in its accumulator lane.
+    Interleave,
 }
 
 impl Order {
@@ -54,6 +57,7 @@ impl Order {
         match self {
             Order::Linear => (lane >> 4, lane & 15),
             Order::Unpack => ((lane >> 2) & 1, 4 * (lane >> 3) + (lane & 3)),
+            Order::Interleave => (lane & 1, lane >> 1),
         }
     }
 }
@@ -68,6 +72,8 @@ pub(crate) struct PairIdx {
     /// `2^shift`: the state is `lo16(hi * pow) | hi16(lo * pow)` (a multiply rather than a
     /// variable shift pair, which the compiler would guard against shift counts of 16).
     pub pow: [u16; 32],
+    /// The same shift as a count, for the VBMI2 funnel shift `vpshldvw`.
+    pub shift: [u16; 32],
     /// Lanes whose `hi`/`lo` unit is in the tile's upper 64 units (bit 6 of the index).
     pub hi_sel: u32,
     pub lo_sel: u32,
@@ -79,8 +85,8 @@ pub(crate) struct RateTables {
     pub units: usize,
     /// Masked-load masks for the four 32-unit registers of a tile.
     pub masks: [u32; 4],
-    /// Row pairs, per [`Order`] (Linear, Unpack).
-    pub pairs: [[PairIdx; 8]; 2],
+    /// Row pairs, per [`Order`] (Linear, Unpack, Interleave).
+    pub pairs: [[PairIdx; 8]; 3],
 }
 
 impl RateTables {
@@ -117,11 +123,15 @@ fn build(rate: Bitrate) -> RateTables {
         hi: [0; 32],
         lo: [0; 32],
         pow: [0; 32],
+        shift: [0; 32],
         hi_sel: 0,
         lo_sel: 0,
     };
-    let mut pairs = [[empty; 8]; 2];
-    for (oi, order) in [Order::Linear, Order::Unpack].into_iter().enumerate() {
+    let mut pairs = [[empty; 8]; 3];
+    for (oi, order) in [Order::Linear, Order::Unpack, Order::Interleave]
+        .into_iter()
+        .enumerate()
+    {
         for (rp, pair) in pairs[oi].iter_mut().enumerate() {
             for lane in 0..32 {
                 let (dr, c) = order.lane_element(lane);
@@ -134,6 +144,7 @@ fn build(rate: Bitrate) -> RateTables {
                 pair.hi[lane] = hi as u16;
                 pair.lo[lane] = lo as u16;
                 pair.pow[lane] = 1 << (start % 16);
+                pair.shift[lane] = (start % 16) as u16;
                 pair.hi_sel |= ((hi >> 6) as u32 & 1) << lane;
                 pair.lo_sel |= ((lo >> 6) as u32 & 1) << lane;
             }
@@ -171,6 +182,7 @@ pub(crate) fn state_destinations(order: Order) -> &'static [u8; 256] {
                     let (h, c) = (c >> 3, c & 7);
                     8 * (c >> 2) + 4 * h + (c & 3)
                 }
+                Order::Interleave => unreachable!("the AVX2 kernels have no int16 path"),
             };
             *v = (16 * r + lane) as u8;
         }
@@ -197,12 +209,46 @@ pub fn decode_tile_with(
         Level::Scalar => decode_tile_f32(tile, rate, codebook::table(cb), out),
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the features were checked; the tile has `rate.tile_bytes()` bytes.
-        Level::Avx512 => unsafe { avx512::decode_tile(tile.as_ptr(), rate, cb, out) },
+        Level::Avx512 => unsafe {
+            avx512::decode_tile(tile.as_ptr(), rate, cb, out.as_mut_ptr(), 16)
+        },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
         Level::Avx2 => unsafe { avx2::decode_tile(tile.as_ptr(), rate, cb, out) },
         #[cfg(not(target_arch = "x86_64"))]
         _ => unreachable!(),
+    }
+}
+
+/// Asks for `bytes` to be brought into the cache (a hint; nothing elsewhere).
+#[inline]
+pub fn prefetch(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    for line in bytes.chunks(64) {
+        // SAFETY: a prefetch of an address inside a live slice; it reads nothing.
+        unsafe {
+            core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(
+                line.as_ptr().cast(),
+            )
+        };
+    }
+}
+
+/// One tile decoded exactly (as [`decode_tile_with`] on the best level) into 16 rows of 16
+/// values: row `r` is `out[r * stride..][..16]`.
+pub fn decode_tile_rows(tile: &[u8], rate: Bitrate, cb: Codebook, out: &mut [f32], stride: usize) {
+    assert_eq!(tile.len(), rate.tile_bytes());
+    assert!(stride >= 16 && out.len() >= 15 * stride + 16);
+    #[cfg(target_arch = "x86_64")]
+    if best_level() == Level::Avx512 {
+        // SAFETY: the features were checked; the tile has `rate.tile_bytes()` bytes and `out`
+        // room for 16 rows of 16 `stride` apart.
+        return unsafe { avx512::decode_tile(tile.as_ptr(), rate, cb, out.as_mut_ptr(), stride) };
+    }
+    let mut t = [0.0f32; 256];
+    decode_tile_with(best_level(), tile, rate, cb, &mut t);
+    for r in 0..16 {
+        out[r * stride..r * stride + 16].copy_from_slice(&t[16 * r..16 * r + 16]);
     }
 }
 

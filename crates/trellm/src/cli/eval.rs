@@ -49,6 +49,10 @@ pub struct EvalArgs {
     /// --kl-divergence-base) from a reference model on the same text.
     #[arg(long)]
     pub kl_base: Option<PathBuf>,
+    /// Positions of a chunk per forward pass (llama-perplexity's -ub): 1 scores the text
+    /// through the decode kernels, as generation runs them [default: the whole chunk].
+    #[arg(long, short = 'u', value_parser = clap::value_parser!(u64).range(1..))]
+    pub ubatch: Option<u64>,
     /// No progress bar.
     #[arg(long, short = 'q')]
     pub quiet: bool,
@@ -186,7 +190,8 @@ pub fn run(a: EvalArgs) -> Result<()> {
     let mut ppl = Perplexity::default();
     let mut kl = KlStats::default();
     let t0 = Instant::now();
-    run_chunks(&*m.model, &tokens, &chunking, |c| {
+    let ubatch = a.ubatch.map_or(ctx, |u| (u as usize).min(ctx));
+    run_chunks(&*m.model, &tokens, &chunking, ubatch, |c| {
         if let Some(w) = writer.as_mut() {
             w.chunk(c.logits)?;
         }
@@ -251,6 +256,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
             "file": a.file.as_ref().map(|f| f.display().to_string()),
             "ctx": ctx,
             "stride": a.stride,
+            "ubatch": ubatch,
             "chunks": chunking.chunks,
             "text_tokens": tokens.len(),
             "tokens": n,

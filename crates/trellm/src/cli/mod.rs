@@ -74,6 +74,10 @@ pub struct ModelArgs {
     /// Worker threads (default: all cores).
     #[arg(long, short = 't', allow_negative_numbers = true)]
     pub threads: Option<usize>,
+    /// CPU: decode EXL3 MUL1 layers on the exact path (f32 activations times each weight's
+    /// fp16 value) instead of int16 activations (mean KLD ~2e-6 against it, ~1.9x faster).
+    #[arg(long)]
+    pub exl3_exact: bool,
 }
 
 /// Where generation runs.
@@ -118,7 +122,14 @@ impl ModelArgs {
             crate::backend::cpu::set_threads(n);
         }
         let path = trellm_hub::resolve_model(&self.model, true)?;
-        load_with(&path, tokenizer).map_err(|e| models::cached_hint(e, &self.model, &path))
+        let mut m =
+            load_with(&path, tokenizer).map_err(|e| models::cached_hint(e, &self.model, &path))?;
+        if self.exl3_exact {
+            std::sync::Arc::get_mut(&mut m.model)
+                .expect("a model just loaded is not shared yet")
+                .exl3_activations = crate::backend::cpu::Exl3Activations::Exact;
+        }
+        Ok(m)
     }
 }
 

@@ -129,11 +129,13 @@ pub struct ChunkLogits<'a> {
 
 /// Runs every chunk of `tokens` through `model` and calls `each` with its scored logits, in
 /// chunk order. Several short chunks share a step; the scored half runs in pieces whose
-/// logits stay within [`MAX_STEP_LOGITS`].
+/// logits stay within [`MAX_STEP_LOGITS`]. A step carries at most `ubatch` positions of a chunk
+/// (llama-perplexity's `-ub`): 1 runs every position as a decode step.
 pub fn run_chunks<M: ModelBackend>(
     model: &M,
     tokens: &[u32],
     c: &Chunking,
+    ubatch: usize,
     mut each: impl FnMut(ChunkLogits<'_>) -> Result<()>,
 ) -> Result<()> {
     let vocab = model.config().vocab;
@@ -160,18 +162,21 @@ pub fn run_chunks<M: ModelBackend>(
         let group = per_step.min(c.chunks - i);
         let inputs: Vec<Vec<u32>> = (i..i + group).map(|k| c.input(tokens, k)).collect();
         // The unscored first part, logits of none.
-        if first > 0 {
+        let mut at = 0;
+        while at < first {
+            let n = ubatch.min(first - at);
             let mut b = Batch::default();
             for (inp, t) in inputs.iter().zip(&tables) {
-                b.push(&inp[..first], 0, t.blocks().to_vec(), Want::None);
+                b.push(&inp[at..at + n], at, t.blocks().to_vec(), Want::None);
             }
             model.step(&b, &mut cache)?;
+            at += n;
         }
         for l in &mut chunk_logits {
             l.clear();
         }
         // The scored part in pieces of `piece` positions of every chunk of the group.
-        let piece = (rows_per_step / group).clamp(1, wanted);
+        let piece = (rows_per_step / group).clamp(1, wanted).min(ubatch);
         let mut at = first;
         while at < ctx {
             let n = piece.min(ctx - at);

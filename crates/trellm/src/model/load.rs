@@ -151,7 +151,7 @@ impl LoadedModel {
         Ok(match device {
             Device::Cpu if opts.tensor_parallel > 1 => {
                 let m = &self.model;
-                let sharded = ShardedCpu::new(m.cfg.clone(), &m.weights, opts.tensor_parallel)?;
+                let sharded = ShardedCpu::new(m, opts.tensor_parallel)?;
                 Engine::new(Arc::new(sharded), tok, opts)?
             }
             Device::Cpu => Engine::new(self.model.clone(), tok, opts)?,

@@ -19,7 +19,7 @@ const MUL1: u8 = 2;
 /// The tile's int16 units in 2 (up to 64 units, K <= 4) or 4 registers; masked loads never
 /// touch bytes past the tile.
 #[inline(always)]
-unsafe fn load_tile<const BIG: bool>(tile: *const u8, t: &RateTables) -> [__m512i; 4] {
+pub(super) unsafe fn load_tile<const BIG: bool>(tile: *const u8, t: &RateTables) -> [__m512i; 4] {
     let p = tile.cast::<i16>();
     let mut r = [_mm512_setzero_si512(); 4];
     r[0] = _mm512_maskz_loadu_epi16(t.masks[0], p);
@@ -32,7 +32,7 @@ unsafe fn load_tile<const BIG: bool>(tile: *const u8, t: &RateTables) -> [__m512
 }
 
 #[inline(always)]
-unsafe fn ld(p: &[u16; 32]) -> __m512i {
+pub(super) unsafe fn ld(p: &[u16; 32]) -> __m512i {
     _mm512_load_si512(p.as_ptr().cast())
 }
 
@@ -130,34 +130,36 @@ unsafe fn decode_inner<const CB: u8, const BIG: bool>(
     tile: *const u8,
     t: &RateTables,
     order: Order,
-    out: &mut [f32; 256],
+    out: *mut f32,
+    stride: usize,
 ) {
     let r = load_tile::<BIG>(tile, t);
     let pairs = t.pairs(order);
     for rp in 0..8 {
         let w = values::<CB>(states::<BIG>(&r, &pairs[rp]));
-        _mm512_storeu_ps(out.as_mut_ptr().add(32 * rp), w[0]);
-        _mm512_storeu_ps(out.as_mut_ptr().add(32 * rp + 16), w[1]);
+        _mm512_storeu_ps(out.add(2 * rp * stride), w[0]);
+        _mm512_storeu_ps(out.add((2 * rp + 1) * stride), w[1]);
     }
 }
 
-/// One tile to f32, row-major. Caller: AVX-512 F/BW/VL, FMA, F16C available; `tile` has
-/// `rate.tile_bytes()` bytes.
+/// One tile to f32, its 16 rows `stride` floats apart from `out`. Caller: AVX-512 F/BW/VL, FMA,
+/// F16C available; `tile` has `rate.tile_bytes()` bytes; `out` has room for the rows.
 pub(super) unsafe fn decode_tile(
     tile: *const u8,
     rate: Bitrate,
     cb: Codebook,
-    out: &mut [f32; 256],
+    out: *mut f32,
+    stride: usize,
 ) {
     let t = tables(rate);
     let o = Order::of(cb);
     match (cb, t.big()) {
-        (Codebook::Inst3, false) => decode_inner::<INST3, false>(tile, t, o, out),
-        (Codebook::Inst3, true) => decode_inner::<INST3, true>(tile, t, o, out),
-        (Codebook::Mcg, false) => decode_inner::<MCG, false>(tile, t, o, out),
-        (Codebook::Mcg, true) => decode_inner::<MCG, true>(tile, t, o, out),
-        (Codebook::Mul1, false) => decode_inner::<MUL1, false>(tile, t, o, out),
-        (Codebook::Mul1, true) => decode_inner::<MUL1, true>(tile, t, o, out),
+        (Codebook::Inst3, false) => decode_inner::<INST3, false>(tile, t, o, out, stride),
+        (Codebook::Inst3, true) => decode_inner::<INST3, true>(tile, t, o, out, stride),
+        (Codebook::Mcg, false) => decode_inner::<MCG, false>(tile, t, o, out, stride),
+        (Codebook::Mcg, true) => decode_inner::<MCG, true>(tile, t, o, out, stride),
+        (Codebook::Mul1, false) => decode_inner::<MUL1, false>(tile, t, o, out, stride),
+        (Codebook::Mul1, true) => decode_inner::<MUL1, true>(tile, t, o, out, stride),
     }
 }
 
@@ -178,6 +180,17 @@ struct Job {
 
 /// Tile rows ahead of the one being multiplied that a group's tiles are prefetched from.
 const PREFETCH_ROWS: usize = 2;
+
+/// Prefetches the `span` bytes of a column group's tiles [`PREFETCH_ROWS`] tile rows (of `stride`
+/// bytes) below `row` (which may lie past the trellis: prefetches never fault).
+#[inline(always)]
+pub(super) unsafe fn prefetch_ahead(row: *const u8, stride: usize, span: usize) {
+    let ahead = row.wrapping_add(PREFETCH_ROWS * stride);
+    for line in (0..span).step_by(64) {
+        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line).cast());
+    }
+    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(span - 1).cast());
+}
 
 /// `M` activation rows, `S` accumulators per row (S > 1 splits the FMA chains of few rows),
 /// `CG` output tile columns at a time: the group walks down `k` one tile row at a time, its `CG`
@@ -222,11 +235,7 @@ unsafe fn columns<
     let mut row = j.trellis.add(tn * j.tile_bytes);
     let mut xk = j.x;
     for _ in 0..j.tiles_k {
-        let ahead = row.wrapping_add(PREFETCH_ROWS * stride);
-        for line in (0..span).step_by(64) {
-            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line).cast());
-        }
-        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(span - 1).cast());
+        prefetch_ahead(row, stride, span);
         for c in 0..CG {
             let r = load_tile::<BIG>(row.add(c * j.tile_bytes), t);
             for rp in 0..8 {

@@ -6,6 +6,7 @@ pub use model::{CpuKv, CpuModel, ShardedCpu, ShardedKv};
 use rayon::prelude::*;
 
 use trellm_quant::exl3::matmul as exl3;
+pub use trellm_quant::exl3::matmul::Activations as Exl3Activations;
 use trellm_quant::ggml::dot::{best_level, Level};
 
 use crate::model::config::Activation;
@@ -467,9 +468,10 @@ pub fn softcap(x: f32, cap: f32) -> f32 {
     (x / cap).tanh() * cap
 }
 
-/// `y[t][r] = sum_c x[t][c] * w[r][c]` for `n` activation rows, whatever the weight's format.
-pub fn linear(x: &[f32], n: usize, w: &LinearWeight, y: &mut [f32]) {
-    linear_on(x, n, w, y, n >= many_rows(w))
+/// `y[t][r] = sum_c x[t][c] * w[r][c]` for `n` activation rows, whatever the weight's format;
+/// `acts` says what EXL3 layers' few-row kernels multiply by.
+pub fn linear(x: &[f32], n: usize, w: &LinearWeight, y: &mut [f32], acts: Exl3Activations) {
+    linear_on(x, n, w, y, n >= many_rows(w), acts)
 }
 
 /// Rows from which a format's many-row path (weights decoded once, then a GEMM) is taken.
@@ -480,10 +482,17 @@ fn many_rows(w: &LinearWeight) -> usize {
     }
 }
 
-fn linear_on(x: &[f32], n: usize, w: &LinearWeight, y: &mut [f32], many: bool) {
+fn linear_on(
+    x: &[f32],
+    n: usize,
+    w: &LinearWeight,
+    y: &mut [f32],
+    many: bool,
+    acts: Exl3Activations,
+) {
     match w {
         LinearWeight::Ggml(m) => matmul_on(x, n, m, y, many),
-        LinearWeight::Exl3(e) => exl3_matmul(x, n, e, y, many),
+        LinearWeight::Exl3(e) => exl3_matmul(x, n, e, y, many, acts),
     }
 }
 
@@ -492,14 +501,20 @@ fn linear_on(x: &[f32], n: usize, w: &LinearWeight, y: &mut [f32], many: bool) {
 /// read once for all of them), and those of sequences with many rows through the many-row path
 /// together (a row's GEMM result does not depend on the other rows): every row gets the
 /// arithmetic it gets when its sequence runs alone.
-pub fn linear_batched(x: &[f32], seq_rows: &[usize], w: &LinearWeight, y: &mut [f32]) {
+pub fn linear_batched(
+    x: &[f32],
+    seq_rows: &[usize],
+    w: &LinearWeight,
+    y: &mut [f32],
+    acts: Exl3Activations,
+) {
     let (cols, rows) = (w.cols(), w.rows());
     let n: usize = seq_rows.iter().sum();
     debug_assert_eq!(x.len(), n * cols);
     let many = many_rows(w);
     let is_many = |r: usize| r >= many;
     if seq_rows.iter().all(|&r| is_many(r)) || seq_rows.iter().all(|&r| !is_many(r)) {
-        return linear_on(x, n, w, y, is_many(seq_rows[0]));
+        return linear_on(x, n, w, y, is_many(seq_rows[0]), acts);
     }
     let spans: Vec<(usize, usize)> = seq_rows
         .iter()
@@ -516,7 +531,7 @@ pub fn linear_batched(x: &[f32], seq_rows: &[usize], w: &LinearWeight, y: &mut [
         }
         let ns = xs.len() / cols;
         let mut ys = vec![0.0f32; ns * rows];
-        linear_on(&xs, ns, w, &mut ys, path);
+        linear_on(&xs, ns, w, &mut ys, path, acts);
         let mut at = 0;
         for &(s, r) in spans.iter().filter(|(_, r)| is_many(*r) == path) {
             y[s * rows..(s + r) * rows].copy_from_slice(&ys[at * rows..(at + r) * rows]);
@@ -536,6 +551,7 @@ pub fn gated_exl3(
     up: &crate::model::weights::Linear,
     act: Activation,
     out: &mut [f32],
+    acts: Exl3Activations,
 ) -> bool {
     let (LinearWeight::Exl3(g), LinearWeight::Exl3(u)) = (&gate.w, &up.w) else {
         return false;
@@ -562,7 +578,7 @@ pub fn gated_exl3(
     let combine = |gb: &mut [f32], ub: &[f32]| gated_activation(act, gb, ub);
     let (k, width) = (g.shape.k, g.shape.n);
     if (g.cols, g.rows) == (k, width) {
-        exl3::matmul_tiles_gated(layer(g), layer(u), x, n, out, &combine);
+        exl3::matmul_tiles_gated(layer(g), layer(u), x, n, out, &combine, acts);
         return true;
     }
     // Padded to 128s: as exl3_matmul (the padded outputs are act(0) * 0 = 0, then dropped).
@@ -571,7 +587,7 @@ pub fn gated_exl3(
         d[..g.cols].copy_from_slice(s);
     }
     let mut yp = vec![0.0f32; n * width];
-    exl3::matmul_tiles_gated(layer(g), layer(u), &xp, n, &mut yp, &combine);
+    exl3::matmul_tiles_gated(layer(g), layer(u), &xp, n, &mut yp, &combine, acts);
     for (d, s) in out.chunks_mut(g.rows).zip(yp.chunks(width)) {
         d.copy_from_slice(&s[..g.rows]);
     }
@@ -580,17 +596,21 @@ pub fn gated_exl3(
 
 /// EXL3: `y = H(H(x * suh) W_inner) * svh`, for `n` activation rows: the tile kernels for
 /// few rows, decode-to-f32 + GEMM for many (`trellm_quant::exl3::matmul`).
-fn exl3_matmul(x: &[f32], n: usize, w: &Exl3Matrix, y: &mut [f32], many: bool) {
+fn exl3_matmul(
+    x: &[f32],
+    n: usize,
+    w: &Exl3Matrix,
+    y: &mut [f32],
+    many: bool,
+    acts: Exl3Activations,
+) {
+    if many {
+        // Reads only the model's dims of the padded layer.
+        return exl3::matmul_gemm(&w.shape, w.trellis(), &w.suh, &w.svh, x, n, y);
+    }
     let (k, out) = (w.shape.k, w.shape.n);
-    let run = |x: &[f32], y: &mut [f32]| {
-        if many {
-            exl3::matmul_gemm(&w.shape, w.trellis(), &w.suh, &w.svh, x, n, y)
-        } else {
-            exl3::matmul_tiles(&w.shape, w.trellis(), &w.suh, &w.svh, x, n, y)
-        }
-    };
     if (w.cols, w.rows) == (k, out) {
-        return run(x, y);
+        return exl3::matmul_tiles(&w.shape, w.trellis(), &w.suh, &w.svh, x, n, y, acts);
     }
     // Padded to 128s (as exllamav3 stores dimensions that are not): zero-extend the inputs (the
     // padded weight rows are zeros), keep the first `rows` outputs.
@@ -599,7 +619,7 @@ fn exl3_matmul(x: &[f32], n: usize, w: &Exl3Matrix, y: &mut [f32], many: bool) {
         d[..w.cols].copy_from_slice(s);
     }
     let mut yp = vec![0.0f32; n * out];
-    run(&xp, &mut yp);
+    exl3::matmul_tiles(&w.shape, w.trellis(), &w.suh, &w.svh, &xp, n, &mut yp, acts);
     for (d, s) in y.chunks_mut(w.rows).zip(yp.chunks(out)) {
         d.copy_from_slice(&s[..w.rows]);
     }

@@ -9,7 +9,7 @@ use rayon::prelude::*;
 use trellm_model::plan::{NormOp, Op, Plan, QkvEpilogue, ResidualEpilogue};
 use trellm_model::{Batch, ModelBackend, Shard};
 
-use crate::backend::cpu;
+use crate::backend::cpu::{self, Exl3Activations};
 use crate::model::config::{ModelConfig, Norm, QkNorm};
 use crate::model::weights::{LayerWeights, Linear, NormWeights, Weights};
 
@@ -35,6 +35,11 @@ pub struct CpuModel {
     pub cfg: ModelConfig,
     pub plan: Plan,
     pub weights: Weights,
+    /// What EXL3 layers' few-row (decode) kernels multiply by: int16 activations on MUL1
+    /// layers by default (mean KLD 2.4e-6 against the exact path on a 3-bpw SmolLM2, the same
+    /// top token at every position, 1.9x its decode speed: BENCHMARKS.md), the exact path
+    /// where asked.
+    pub exl3_activations: Exl3Activations,
 }
 
 /// Keys and values in blocks of `block_size` positions. Block `b` holds, for each layer, its
@@ -133,8 +138,8 @@ fn rows_mut(x: &mut [f32], width: usize, f: impl Fn(&mut [f32]) + Sync + Send) {
 }
 
 /// `y = x W^T (+ b)` for a batch of sequences of `seq_rows` rows each.
-fn linear(x: &[f32], seq_rows: &[usize], l: &Linear, y: &mut [f32]) {
-    cpu::linear_batched(x, seq_rows, &l.w, y);
+fn linear(x: &[f32], seq_rows: &[usize], l: &Linear, y: &mut [f32], acts: Exl3Activations) {
+    cpu::linear_batched(x, seq_rows, &l.w, y, acts);
     add_bias(l, y);
 }
 
@@ -201,6 +206,7 @@ impl CpuModel {
             plan: Plan::new(&cfg),
             cfg,
             weights,
+            exl3_activations: Exl3Activations::Int16,
         }
     }
 
@@ -307,7 +313,13 @@ impl CpuModel {
             .map(|s| s.want.rows(s.len))
             .filter(|&r| r > 0)
             .collect();
-        cpu::linear_batched(&rows, &out_rows, &self.weights.lm_head, &mut logits);
+        cpu::linear_batched(
+            &rows,
+            &out_rows,
+            &self.weights.lm_head,
+            &mut logits,
+            self.exl3_activations,
+        );
         if let Some(cap) = self.plan.logits.softcap {
             logits.iter_mut().for_each(|v| *v = cpu::softcap(*v, cap));
         }
@@ -334,6 +346,7 @@ impl CpuModel {
         let m = batch.tokens.len();
         let rows: Vec<usize> = batch.seqs.iter().map(|s| s.len).collect();
         let rows = &rows[..];
+        let acts = self.exl3_activations;
         let pre_norm = |st: &mut Scratch, op: &Option<NormOp>, w: &Option<NormWeights>| {
             st.xn.copy_from_slice(&st.x);
             if let (Some(op), Some(w)) = (op, w) {
@@ -345,9 +358,9 @@ impl CpuModel {
                 Op::AttnNorm(n) => pre_norm(st, n, &lw.attn_norm),
                 Op::Qkv(e) => {
                     tap(Tap::Qkv, &st.xn);
-                    linear(&st.xn, rows, &lw.q, &mut st.q);
-                    linear(&st.xn, rows, &lw.k, &mut st.k);
-                    linear(&st.xn, rows, &lw.v, &mut st.v);
+                    linear(&st.xn, rows, &lw.q, &mut st.q, acts);
+                    linear(&st.xn, rows, &lw.k, &mut st.k, acts);
+                    linear(&st.xn, rows, &lw.v, &mut st.v, acts);
                     qkv_epilogue(e, lw, batch, st);
                     write_kv(kv, l, batch, &st.k, &st.v);
                 }
@@ -426,10 +439,12 @@ impl CpuModel {
                     tap(Tap::O, &st.attn);
                     match tail {
                         Tail::Residual => {
-                            linear(&st.attn, rows, &lw.o, &mut st.proj);
+                            linear(&st.attn, rows, &lw.o, &mut st.proj, acts);
                             residual(e, &lw.post_attn_norm, &mut st.x, &mut st.proj);
                         }
-                        Tail::Partial => cpu::linear_batched(&st.attn, rows, &lw.o.w, &mut st.proj),
+                        Tail::Partial => {
+                            cpu::linear_batched(&st.attn, rows, &lw.o.w, &mut st.proj, acts)
+                        }
                         Tail::TapOnly => {}
                     }
                 }
@@ -445,14 +460,15 @@ impl CpuModel {
                                 &lw.up,
                                 g.activation,
                                 &mut st.gate,
+                                acts,
                             ) => {}
                         (true, Some(gate)) => {
-                            linear(&st.xn, rows, &lw.up, &mut st.up);
-                            linear(&st.xn, rows, gate, &mut st.gate);
+                            linear(&st.xn, rows, &lw.up, &mut st.up, acts);
+                            linear(&st.xn, rows, gate, &mut st.gate, acts);
                             cpu::gated_activation(g.activation, &mut st.gate, &st.up);
                         }
                         _ => {
-                            linear(&st.xn, rows, &lw.up, &mut st.up);
+                            linear(&st.xn, rows, &lw.up, &mut st.up, acts);
                             cpu::activation(g.activation, &st.up, &mut st.gate);
                         }
                     }
@@ -461,11 +477,11 @@ impl CpuModel {
                     tap(Tap::Down, &st.gate);
                     match tail {
                         Tail::Residual => {
-                            linear(&st.gate, rows, &lw.down, &mut st.proj);
+                            linear(&st.gate, rows, &lw.down, &mut st.proj, acts);
                             residual(e, &lw.post_ffn_norm, &mut st.x, &mut st.proj);
                         }
                         Tail::Partial => {
-                            cpu::linear_batched(&st.gate, rows, &lw.down.w, &mut st.proj)
+                            cpu::linear_batched(&st.gate, rows, &lw.down.w, &mut st.proj, acts)
                         }
                         Tail::TapOnly => {}
                     }
@@ -937,12 +953,17 @@ pub struct ShardedCpu {
 pub struct ShardedKv(Vec<CpuKv>);
 
 impl ShardedCpu {
-    pub fn new(cfg: ModelConfig, weights: &Weights, world: usize) -> Result<ShardedCpu> {
+    /// `full` split over `world` ranks, each running as `full` does.
+    pub fn new(full: &CpuModel, world: usize) -> Result<ShardedCpu> {
+        let cfg = full.cfg.clone();
         Shard::check(&cfg, world)?;
         let ranks = (0..world)
             .map(|rank| {
                 let s = Shard { rank, world };
-                Ok(CpuModel::new(s.config(&cfg), s.weights(&cfg, weights)?))
+                Ok(CpuModel {
+                    exl3_activations: full.exl3_activations,
+                    ..CpuModel::new(s.config(&cfg), s.weights(&cfg, &full.weights)?)
+                })
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(ShardedCpu { ranks, cfg })
