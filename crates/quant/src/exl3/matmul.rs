@@ -203,8 +203,8 @@ const GEMM_BANDS: usize = 8;
 /// `W_eff = diag(suh) H W_inner H diag(svh)` for the output bands `b0..b0 + width / 128`, into
 /// `w` (`[k][stride]`, the first `width` columns), one 128 x 128 block at a time: its 64 tiles
 /// decoded exactly in memory order (each tile row of a band is contiguous in the file), the
-/// input Hadamard down its columns, then per row the output Hadamard, `svh` and `suh`. Bands
-/// run in parallel, each writing only its own columns.
+/// input Hadamard down its columns, then per row the output Hadamard, `svh` and `suh`. Blocks
+/// run in parallel, each writing only its own part of `w`.
 #[allow(clippy::too_many_arguments)]
 fn fold_bands(
     shape: &Exl3Shape,
@@ -220,49 +220,47 @@ fn fold_bands(
     let k = shape.k;
     assert!(w.len() >= k * stride && width <= stride);
     let wp = SendPtr(w.as_mut_ptr());
-    (0..width / BAND).into_par_iter().for_each_init(
+    // A task per 128 x 128 block: a layer's few bands alone would leave threads idle.
+    let k_blocks = k / 128;
+    (0..width / BAND * k_blocks).into_par_iter().for_each_init(
         || vec![[0.0f32; BAND]; 128],
-        |block, i| {
+        |block, task| {
+            let (i, k0) = (task / k_blocks, task % k_blocks * 128);
             let b = b0 + i;
             let svh = &svh[b * BAND..(b + 1) * BAND];
             let tb = shape.rate.tile_bytes();
-            for k0 in (0..k).step_by(128) {
-                for t in 0..8 {
-                    // The band's tiles two tile rows ahead: a tile row's are contiguous, but
-                    // the next one is a whole row of the trellis away.
-                    let ahead = k0 / 16 + t + 2;
-                    if ahead < shape.tiles_k() {
-                        let first = shape.tile(trellis, ahead, b * BAND / 16).as_ptr();
-                        let at = first as usize - trellis.as_ptr() as usize;
-                        simd::prefetch(&trellis[at..at + BAND / 16 * tb]);
-                    }
-                    let rows = block[16 * t..16 * t + 16].as_flattened_mut();
-                    for j in 0..BAND / 16 {
-                        simd::decode_tile_rows(
-                            shape.tile(trellis, k0 / 16 + t, b * BAND / 16 + j),
-                            shape.rate,
-                            shape.codebook,
-                            &mut rows[16 * j..],
-                            BAND,
-                        );
-                    }
+            for t in 0..8 {
+                // The band's tiles two tile rows ahead: a tile row's are contiguous, but
+                // the next one is a whole row of the trellis away.
+                let ahead = k0 / 16 + t + 2;
+                if ahead < shape.tiles_k() {
+                    let first = shape.tile(trellis, ahead, b * BAND / 16).as_ptr();
+                    let at = first as usize - trellis.as_ptr() as usize;
+                    simd::prefetch(&trellis[at..at + BAND / 16 * tb]);
                 }
-                hadamard128_down(block);
-                for (r, v) in block.iter_mut().enumerate() {
-                    hadamard128(v);
-                    // SAFETY: row k0 + r's columns 128 i .. 128 i + 128 of `w`, which only this
-                    // task writes.
-                    let dst = unsafe {
-                        std::slice::from_raw_parts_mut(
-                            wp.get().add((k0 + r) * stride + i * BAND),
-                            BAND,
-                        )
-                    };
-                    // suh scales the whole row, so it may come after the output Hadamard.
-                    let s = suh[k0 + r] * super::hadamard::SCALE;
-                    for ((d, x), o) in dst.iter_mut().zip(v.iter()).zip(svh) {
-                        *d = x * o * s;
-                    }
+                let rows = block[16 * t..16 * t + 16].as_flattened_mut();
+                for j in 0..BAND / 16 {
+                    simd::decode_tile_rows(
+                        shape.tile(trellis, k0 / 16 + t, b * BAND / 16 + j),
+                        shape.rate,
+                        shape.codebook,
+                        &mut rows[16 * j..],
+                        BAND,
+                    );
+                }
+            }
+            hadamard128_down(block);
+            for (r, v) in block.iter_mut().enumerate() {
+                hadamard128(v);
+                // SAFETY: row k0 + r's columns 128 i .. 128 i + 128 of `w`, which only this
+                // task writes.
+                let dst = unsafe {
+                    std::slice::from_raw_parts_mut(wp.get().add((k0 + r) * stride + i * BAND), BAND)
+                };
+                // suh scales the whole row, so it may come after the output Hadamard.
+                let s = suh[k0 + r] * super::hadamard::SCALE;
+                for ((d, x), o) in dst.iter_mut().zip(v.iter()).zip(svh) {
+                    *d = x * o * s;
                 }
             }
         },
