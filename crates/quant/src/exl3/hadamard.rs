@@ -33,6 +33,27 @@ pub fn hadamard128(x: &mut [f32]) {
     hadamard128_scalar(x);
 }
 
+/// The unscaled butterfly of one 128-block `v`, times `col[c] * s`, written to `dst[0..128]`
+/// (the prefill's last pass over a block of `W_eff`, fused). `dst` may be uninitialized.
+///
+/// # Safety
+/// `dst` must be valid for 128 writes of f32.
+pub unsafe fn butterfly128_scaled_into(v: &[f32; 128], col: &[f32], s: f32, dst: *mut f32) {
+    assert_eq!(col.len(), 128);
+    #[cfg(target_arch = "x86_64")]
+    if crate::ggml::dot::Level::Avx512.is_available() {
+        // SAFETY: AVX-512 F is available; the caller vouches for `dst`.
+        unsafe { avx512::butterfly128_scaled_into(v, col, s, dst) };
+        return;
+    }
+    let mut b = *v;
+    hadamard128_scalar(&mut b);
+    for (c, (x, o)) in b.iter().zip(col).enumerate() {
+        // SAFETY: the caller vouches for 128 writes.
+        unsafe { dst.add(c).write(x / SCALE * o * s) };
+    }
+}
+
 /// [`hadamard128`]'s scalar twin.
 pub fn hadamard128_scalar(x: &mut [f32]) {
     assert!(x.len().is_multiple_of(128), "Hadamard blocks are 128 wide");
@@ -67,30 +88,50 @@ mod avx512 {
         _mm512_fmadd_ps(v, _mm512_loadu_ps(sign.as_ptr()), p)
     }
 
+    /// The unscaled butterfly of the 128 values at `p`, in registers.
+    #[inline(always)]
+    unsafe fn butterfly(p: *const f32) -> [__m512; 8] {
+        let mut v: [__m512; 8] = core::array::from_fn(|i| _mm512_loadu_ps(p.add(16 * i)));
+        for h in [1, 2, 4, 8] {
+            for r in v.iter_mut() {
+                *r = stage(*r, h);
+            }
+        }
+        // Spans of 16, 32 and 64 lanes: between registers.
+        for h in [1, 2, 4] {
+            for i in (0..8).step_by(2 * h) {
+                for j in i..i + h {
+                    let (a, c) = (v[j], v[j + h]);
+                    v[j] = _mm512_add_ps(a, c);
+                    v[j + h] = _mm512_sub_ps(a, c);
+                }
+            }
+        }
+        v
+    }
+
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn hadamard128(x: &mut [f32]) {
         let scale = _mm512_set1_ps(super::SCALE);
         for b in x.chunks_exact_mut(128) {
             let p = b.as_mut_ptr();
-            let mut v: [__m512; 8] = core::array::from_fn(|i| _mm512_loadu_ps(p.add(16 * i)));
-            for h in [1, 2, 4, 8] {
-                for r in v.iter_mut() {
-                    *r = stage(*r, h);
-                }
-            }
-            // Spans of 16, 32 and 64 lanes: between registers.
-            for h in [1, 2, 4] {
-                for i in (0..8).step_by(2 * h) {
-                    for j in i..i + h {
-                        let (a, c) = (v[j], v[j + h]);
-                        v[j] = _mm512_add_ps(a, c);
-                        v[j + h] = _mm512_sub_ps(a, c);
-                    }
-                }
-            }
-            for (i, r) in v.iter().enumerate() {
+            for (i, r) in butterfly(p).iter().enumerate() {
                 _mm512_storeu_ps(p.add(16 * i), _mm512_mul_ps(*r, scale));
             }
+        }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn butterfly128_scaled_into(
+        v: &[f32; 128],
+        col: &[f32],
+        s: f32,
+        dst: *mut f32,
+    ) {
+        let s = _mm512_set1_ps(s);
+        for (i, r) in butterfly(v.as_ptr()).iter().enumerate() {
+            let c = _mm512_mul_ps(_mm512_loadu_ps(col.as_ptr().add(16 * i)), s);
+            _mm512_storeu_ps(dst.add(16 * i), _mm512_mul_ps(*r, c));
         }
     }
 }

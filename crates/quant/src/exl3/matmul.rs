@@ -6,6 +6,7 @@
 
 use rayon::prelude::*;
 
+use super::hadamard::{butterfly128_scaled_into, SCALE};
 use super::simd;
 use super::{hadamard128, matmul_inner, Codebook, Exl3Shape};
 
@@ -214,12 +215,12 @@ fn fold_bands(
     b0: usize,
     width: usize,
     stride: usize,
-    w: &mut [f32],
+    w: &mut [std::mem::MaybeUninit<f32>],
 ) {
     const BAND: usize = BAND_OUT;
     let k = shape.k;
     assert!(w.len() >= k * stride && width <= stride);
-    let wp = SendPtr(w.as_mut_ptr());
+    let wp = SendPtr(w.as_mut_ptr().cast());
     // A task per 128 x 128 block: a layer's few bands alone would leave threads idle.
     let k_blocks = k / 128;
     (0..width / BAND * k_blocks).into_par_iter().for_each_init(
@@ -240,7 +241,7 @@ fn fold_bands(
                 }
                 let rows = block[16 * t..16 * t + 16].as_flattened_mut();
                 for j in 0..BAND / 16 {
-                    simd::decode_tile_rows(
+                    simd::decode_tile_rows_h16(
                         shape.tile(trellis, k0 / 16 + t, b * BAND / 16 + j),
                         shape.rate,
                         shape.codebook,
@@ -250,26 +251,22 @@ fn fold_bands(
                 }
             }
             hadamard128_down(block);
-            for (r, v) in block.iter_mut().enumerate() {
-                hadamard128(v);
-                // SAFETY: row k0 + r's columns 128 i .. 128 i + 128 of `w`, which only this
-                // task writes.
-                let dst = unsafe {
-                    std::slice::from_raw_parts_mut(wp.get().add((k0 + r) * stride + i * BAND), BAND)
+            for (r, v) in block.iter().enumerate() {
+                // Both Hadamards' 1/sqrt(128), and suh, which scales the whole row.
+                let s = suh[k0 + r] * SCALE * SCALE;
+                // SAFETY: row k0 + r's columns 128 i .. 128 i + 128 of `w`, which only this task
+                // writes.
+                unsafe {
+                    butterfly128_scaled_into(v, svh, s, wp.get().add((k0 + r) * stride + i * BAND))
                 };
-                // suh scales the whole row, so it may come after the output Hadamard.
-                let s = suh[k0 + r] * super::hadamard::SCALE;
-                for ((d, x), o) in dst.iter_mut().zip(v.iter()).zip(svh) {
-                    *d = x * o * s;
-                }
             }
         },
     );
 }
 
-/// The unscaled 128-point Hadamard butterfly down the 128 rows of a block (each row's
-/// elements in parallel), 16 columns at a time in two passes over them: spans 1-8 within each
-/// 16 rows, then spans 16-64 across them (the same sums and differences as one stage at a time).
+/// The last three stages (spans 16, 32, 64) of the unscaled 128-point Hadamard butterfly down
+/// the 128 rows of a block, 16 columns at a time (each row's elements in parallel); the first
+/// four ran down each tile as it was decoded.
 fn hadamard128_down(s: &mut [[f32; BAND_OUT]]) {
     /// The butterfly over `v` (spans 1 .. v.len() / 2), a lane-wise vector per element.
     #[inline(always)]
@@ -291,14 +288,6 @@ fn hadamard128_down(s: &mut [[f32; BAND_OUT]]) {
     #[inline(always)]
     fn run(s: &mut [[f32; BAND_OUT]]) {
         for c in (0..BAND_OUT).step_by(16) {
-            for g in (0..128).step_by(16) {
-                let mut v: [[f32; 16]; 16] =
-                    std::array::from_fn(|r| s[g + r][c..c + 16].try_into().unwrap());
-                butterfly(&mut v);
-                for (r, x) in v.iter().enumerate() {
-                    s[g + r][c..c + 16].copy_from_slice(x);
-                }
-            }
             for r in 0..16 {
                 let mut v: [[f32; 16]; 8] =
                     std::array::from_fn(|g| s[16 * g + r][c..c + 16].try_into().unwrap());
@@ -372,7 +361,10 @@ pub fn matmul_gemm(
     // Rows a little longer than a power of two: the input Hadamard walks down the columns, and
     // rows 4 KB apart would all fall in the same L1 sets.
     let stride = GEMM_BANDS.min(out / BAND) * BAND + 16;
-    let mut w = vec![0.0f32; k * stride];
+    // Every element the GEMM reads is written by `fold_bands` first.
+    let mut w: Vec<std::mem::MaybeUninit<f32>> = Vec::with_capacity(k * stride);
+    // SAFETY: MaybeUninit needs no initialization.
+    unsafe { w.set_len(k * stride) };
     for b0 in (0..out / BAND).step_by(GEMM_BANDS) {
         let (c0, c1) = (b0 * BAND, ((b0 + GEMM_BANDS) * BAND).min(out));
         if c0 >= rows {
@@ -395,7 +387,7 @@ pub fn matmul_gemm(
                 x.as_ptr(),
                 1,
                 cols as isize,
-                w.as_ptr(),
+                w.as_ptr().cast(),
                 1,
                 stride as isize,
                 0.0,

@@ -210,7 +210,7 @@ pub fn decode_tile_with(
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the features were checked; the tile has `rate.tile_bytes()` bytes.
         Level::Avx512 => unsafe {
-            avx512::decode_tile(tile.as_ptr(), rate, cb, out.as_mut_ptr(), 16)
+            avx512::decode_tile::<false>(tile.as_ptr(), rate, cb, out.as_mut_ptr(), 16)
         },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
@@ -234,19 +234,41 @@ pub fn prefetch(bytes: &[u8]) {
     }
 }
 
-/// One tile decoded exactly (as [`decode_tile_with`] on the best level) into 16 rows of 16
-/// values: row `r` is `out[r * stride..][..16]`.
-pub fn decode_tile_rows(tile: &[u8], rate: Bitrate, cb: Codebook, out: &mut [f32], stride: usize) {
+/// One tile decoded exactly (as [`decode_tile_with`] on the best level), then the unscaled
+/// 16-point Hadamard butterfly down its rows (the first four stages of a 128-point one over
+/// `k`), into 16 rows of 16 values: row `r` is `out[r * stride..][..16]`.
+pub fn decode_tile_rows_h16(
+    tile: &[u8],
+    rate: Bitrate,
+    cb: Codebook,
+    out: &mut [f32],
+    stride: usize,
+) {
     assert_eq!(tile.len(), rate.tile_bytes());
     assert!(stride >= 16 && out.len() >= 15 * stride + 16);
     #[cfg(target_arch = "x86_64")]
     if best_level() == Level::Avx512 {
         // SAFETY: the features were checked; the tile has `rate.tile_bytes()` bytes and `out`
         // room for 16 rows of 16 `stride` apart.
-        return unsafe { avx512::decode_tile(tile.as_ptr(), rate, cb, out.as_mut_ptr(), stride) };
+        return unsafe {
+            avx512::decode_tile::<true>(tile.as_ptr(), rate, cb, out.as_mut_ptr(), stride)
+        };
     }
     let mut t = [0.0f32; 256];
     decode_tile_with(best_level(), tile, rate, cb, &mut t);
+    let mut h = 1;
+    while h < 16 {
+        for a in (0..16).step_by(2 * h) {
+            for j in a..a + h {
+                for c in 0..16 {
+                    let (p, q) = (t[16 * j + c], t[16 * (j + h) + c]);
+                    t[16 * j + c] = p + q;
+                    t[16 * (j + h) + c] = p - q;
+                }
+            }
+        }
+        h *= 2;
+    }
     for r in 0..16 {
         out[r * stride..r * stride + 16].copy_from_slice(&t[16 * r..16 * r + 16]);
     }

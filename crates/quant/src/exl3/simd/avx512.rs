@@ -126,7 +126,7 @@ unsafe fn values<const CB: u8>(x: __m512i) -> [__m512; 2] {
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn decode_inner<const CB: u8, const BIG: bool>(
+unsafe fn decode_inner<const CB: u8, const BIG: bool, const H16: bool>(
     tile: *const u8,
     t: &RateTables,
     order: Order,
@@ -135,16 +135,33 @@ unsafe fn decode_inner<const CB: u8, const BIG: bool>(
 ) {
     let r = load_tile::<BIG>(tile, t);
     let pairs = t.pairs(order);
+    let mut rows = [_mm512_setzero_ps(); 16];
     for rp in 0..8 {
         let w = values::<CB>(states::<BIG>(&r, &pairs[rp]));
-        _mm512_storeu_ps(out.add(2 * rp * stride), w[0]);
-        _mm512_storeu_ps(out.add((2 * rp + 1) * stride), w[1]);
+        rows[2 * rp] = w[0];
+        rows[2 * rp + 1] = w[1];
+    }
+    if H16 {
+        // The unscaled 16-point Hadamard butterfly down the tile's rows.
+        for h in [1, 2, 4, 8] {
+            for a in (0..16).step_by(2 * h) {
+                for j in a..a + h {
+                    let (p, q) = (rows[j], rows[j + h]);
+                    rows[j] = _mm512_add_ps(p, q);
+                    rows[j + h] = _mm512_sub_ps(p, q);
+                }
+            }
+        }
+    }
+    for (i, v) in rows.iter().enumerate() {
+        _mm512_storeu_ps(out.add(i * stride), *v);
     }
 }
 
-/// One tile to f32, its 16 rows `stride` floats apart from `out`. Caller: AVX-512 F/BW/VL, FMA,
-/// F16C available; `tile` has `rate.tile_bytes()` bytes; `out` has room for the rows.
-pub(super) unsafe fn decode_tile(
+/// One tile to f32, its 16 rows `stride` floats apart from `out`; with `H16`, after the unscaled
+/// 16-point Hadamard butterfly down its rows. Caller: AVX-512 F/BW/VL, FMA, F16C available;
+/// `tile` has `rate.tile_bytes()` bytes; `out` has room for the rows.
+pub(super) unsafe fn decode_tile<const H16: bool>(
     tile: *const u8,
     rate: Bitrate,
     cb: Codebook,
@@ -154,12 +171,12 @@ pub(super) unsafe fn decode_tile(
     let t = tables(rate);
     let o = Order::of(cb);
     match (cb, t.big()) {
-        (Codebook::Inst3, false) => decode_inner::<INST3, false>(tile, t, o, out, stride),
-        (Codebook::Inst3, true) => decode_inner::<INST3, true>(tile, t, o, out, stride),
-        (Codebook::Mcg, false) => decode_inner::<MCG, false>(tile, t, o, out, stride),
-        (Codebook::Mcg, true) => decode_inner::<MCG, true>(tile, t, o, out, stride),
-        (Codebook::Mul1, false) => decode_inner::<MUL1, false>(tile, t, o, out, stride),
-        (Codebook::Mul1, true) => decode_inner::<MUL1, true>(tile, t, o, out, stride),
+        (Codebook::Inst3, false) => decode_inner::<INST3, false, H16>(tile, t, o, out, stride),
+        (Codebook::Inst3, true) => decode_inner::<INST3, true, H16>(tile, t, o, out, stride),
+        (Codebook::Mcg, false) => decode_inner::<MCG, false, H16>(tile, t, o, out, stride),
+        (Codebook::Mcg, true) => decode_inner::<MCG, true, H16>(tile, t, o, out, stride),
+        (Codebook::Mul1, false) => decode_inner::<MUL1, false, H16>(tile, t, o, out, stride),
+        (Codebook::Mul1, true) => decode_inner::<MUL1, true, H16>(tile, t, o, out, stride),
     }
 }
 
