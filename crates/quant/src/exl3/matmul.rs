@@ -10,10 +10,11 @@ use super::hadamard::{butterfly128_scaled_into, SCALE};
 use super::simd;
 use super::{hadamard128, matmul_inner, Codebook, Exl3Shape};
 
-/// Activation rows from which decoding each 128-output band of `W_inner` to f32 once and
-/// multiplying it with a GEMM beats the tile kernels (which decode every tile once per 16 rows).
-/// Measured (`examples/exl3_prefill_bench.rs sweep`, 4096x4096 MUL1 K=3, one thread): even at 16
-/// rows, 1.3x faster from 24; at 17 the tile kernels would need a second pass.
+/// Activation rows from which decoding the weights to f32 once and multiplying with a GEMM
+/// ([`matmul_gemm`]) beats the tile kernels (which decode every tile once per 16 rows).
+/// Measured on the earlier band-by-band GEMM path (`examples/exl3_prefill_bench.rs sweep`,
+/// 4096x4096 MUL1 K=3, one thread): even at 16 rows, 1.3x faster from 24; at 17 the tile kernels
+/// would need a second pass.
 pub const GEMM_MIN_ROWS: usize = 17;
 
 /// Output columns per EXL3 task: one output Hadamard block, 8 tiles side by side in memory.
@@ -231,8 +232,8 @@ fn fold_bands(
             let svh = &svh[b * BAND..(b + 1) * BAND];
             let tb = shape.rate.tile_bytes();
             for t in 0..8 {
-                // The band's tiles two tile rows ahead: a tile row's are contiguous, but
-                // the next one is a whole row of the trellis away.
+                // The band's tiles two tile rows ahead (without it, 2-7% slower prefill, measured):
+                // a tile row's are contiguous, but the next one is a whole row of the trellis away.
                 let ahead = k0 / 16 + t + 2;
                 if ahead < shape.tiles_k() {
                     let first = shape.tile(trellis, ahead, b * BAND / 16).as_ptr();

@@ -40,7 +40,8 @@ pub(crate) enum Order {
     /// (16-bit to 32-bit `unpacklo`/`unpackhi`): MUL1's path.
     Unpack,
     /// Column `c` of both rows in the 32-bit lane `c` (first row low): the int16 path's
-    /// `vpdpbusd` sums a lane's bytes, so both rows of a column land in its accumulator lane.
+    /// `vpdpwssd` sums a lane's two 16-bit products, so both rows of a column land in its
+    /// accumulator lane.
     Interleave,
 }
 

@@ -103,11 +103,6 @@ impl Int16Rows {
         }
     }
 
-    /// The number of rows.
-    pub fn rows(&self) -> usize {
-        self.rows
-    }
-
     /// Row `m`'s quantized activation `i` and the scale of its 16.
     fn value(&self, m: usize, i: usize) -> (i32, f32) {
         let tiles_k = self.k / 16;
