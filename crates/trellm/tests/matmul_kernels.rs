@@ -83,3 +83,54 @@ fn fast_matmul_matches_reference_on_real_weights() {
         }
     }
 }
+
+/// Attention's softmax (vectorized exp and sum) against the float64 softmax: each weight within
+/// a few ulp of it plus what rounding `v - max` to f32 alone costs (the relative error of
+/// `e^t` grows as `|t| 2^-24`), masked (-inf) scores exactly 0, at lengths that leave every
+/// remainder.
+#[test]
+fn attention_softmax_matches_f64() {
+    let mut seed = 0x2545_F491_4F6C_DD1Du64;
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        (seed >> 11) as f64 / (1u64 << 53) as f64
+    };
+    let mut worst = 0.0f64;
+    for len in (1..70).chain([255, 256, 257, 2048]) {
+        for spread in [0.1f64, 3.0, 30.0, 150.0] {
+            let mut x: Vec<f32> = (0..len)
+                .map(|_| ((next() - 0.5) * 2.0 * spread) as f32)
+                .collect();
+            if len > 3 {
+                x[len / 3] = f32::NEG_INFINITY;
+            }
+            let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+            let e: Vec<f64> = x.iter().map(|&v| (v as f64 - m).exp()).collect();
+            let s: f64 = e.iter().sum();
+            let mut y = x.clone();
+            cpu::softmax(&mut y);
+            for (i, (&got, &want)) in y.iter().zip(&e).enumerate() {
+                let want = want / s;
+                if x[i] == f32::NEG_INFINITY {
+                    assert_eq!(got, 0.0, "len {len}: a masked score got weight");
+                    continue;
+                }
+                // exp_poly flushes below e^-87, far under an f32 ulp of the sum (>= 1).
+                let err = (got as f64 - want).abs() / want.max(1e-30);
+                let bound = 2e-6 + 2e-7 * (x[i] as f64 - m).abs();
+                if want > 1e-30 {
+                    worst = worst.max(err / bound);
+                }
+                assert!(
+                    err < bound || (got as f64 - want).abs() < 1e-37,
+                    "len {len} spread {spread} [{i}]: {got} against {want}"
+                );
+            }
+            let total: f64 = y.iter().map(|&v| v as f64).sum();
+            assert!((total - 1.0).abs() < 1e-5, "len {len}: sums to {total}");
+        }
+    }
+    assert!(worst > 0.0, "no error at all: not the vectorized path?");
+}

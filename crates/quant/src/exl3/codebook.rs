@@ -95,20 +95,26 @@ pub fn decode(cb: Codebook, state: u16) -> f16 {
     f16::from_f32(v)
 }
 
+/// A codebook's 65536 values as f32 on 64-byte cache lines, so vector loads of them never
+/// straddle two lines (the tile search streams a table like this every step).
+#[repr(C, align(64))]
+pub(crate) struct Table(pub [f32; 65536]);
+
 /// All 65536 values of a codebook as f32, built once: the fast paths decode by table look-up.
 pub fn table(cb: Codebook) -> &'static [f32; 65536] {
-    static TABLES: [OnceLock<Box<[f32; 65536]>>; 3] =
-        [OnceLock::new(), OnceLock::new(), OnceLock::new()];
+    static TABLES: [OnceLock<Box<Table>>; 3] = [OnceLock::new(), OnceLock::new(), OnceLock::new()];
     let i = match cb {
         Codebook::Inst3 => 0,
         Codebook::Mcg => 1,
         Codebook::Mul1 => 2,
     };
-    TABLES[i].get_or_init(|| {
-        let mut t = Box::new([0.0f32; 65536]);
-        for (s, v) in t.iter_mut().enumerate() {
-            *v = decode(cb, s as u16).to_f32();
-        }
-        t
-    })
+    &TABLES[i]
+        .get_or_init(|| {
+            let mut t = Box::new(Table([0.0f32; 65536]));
+            for (s, v) in t.0.iter_mut().enumerate() {
+                *v = decode(cb, s as u16).to_f32();
+            }
+            t
+        })
+        .0
 }

@@ -4,6 +4,9 @@
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
+use rayon::prelude::*;
+
+use crate::backend::cpu::SendPtr;
 
 /// The default calibration text (relative to the working directory, as the project's other
 /// data paths are): wikitext-2's test split, of which only the first [`DEFAULT_FRACTION`] of the
@@ -190,7 +193,7 @@ pub struct Hessian {
     prod: Vec<f32>,
 }
 
-/// Rows of H computed by one GEMM of the lower triangle (each band up to its last column).
+/// Rows and columns of H one GEMM of the lower triangle computes.
 const BAND: usize = 128;
 
 impl Hessian {
@@ -207,10 +210,16 @@ impl Hessian {
 
     /// Adds the rows of `x` (`[m][dim]`).
     pub fn add(&mut self, x: &[f32]) {
-        for row in x.chunks_exact(self.dim) {
+        let d = self.dim;
+        // The usual case, a chunk of finite rows: multiplied where it lies.
+        if x.len() <= CHUNK_ROWS * d && x.par_iter().all(|v| v.is_finite()) {
+            self.accumulate(x);
+            return;
+        }
+        for row in x.chunks_exact(d) {
             if row.iter().all(|v| v.is_finite()) {
                 self.buf.extend_from_slice(row);
-                if self.buf.len() == CHUNK_ROWS * self.dim {
+                if self.buf.len() == CHUNK_ROWS * d {
                     self.flush();
                 }
             } else {
@@ -221,28 +230,47 @@ impl Hessian {
     }
 
     fn flush(&mut self) {
-        let (d, m) = (self.dim, self.buf.len() / self.dim);
+        let buf = std::mem::take(&mut self.buf);
+        self.accumulate(&buf);
+        self.buf = buf;
+        self.buf.clear();
+    }
+
+    /// Adds `x x^T` of the finite rows `x` (at most [`CHUNK_ROWS`] of them).
+    fn accumulate(&mut self, x: &[f32]) {
+        let (d, m) = (self.dim, x.len() / self.dim);
         if m == 0 {
             return;
         }
-        for i0 in (0..d).step_by(BAND) {
-            let i1 = (i0 + BAND).min(d);
-            // SAFETY: dst is rows i0..i1, columns 0..i1 of the d x d `prod` (row stride d); lhs =
-            // X^T's rows i0..i1 (element (i, p) = buf[p d + i0 + i]), rhs = X's columns 0..i1
-            // (element (p, j) = buf[p d + j]), X being m x d: all in bounds.
+        // The lower triangle's BAND x BAND blocks, a task each, biggest rows first: as one GEMM
+        // per band of rows (the gemm crate splitting each over the threads), the small bands
+        // left threads waiting.
+        let bands = d.div_ceil(BAND);
+        let blocks: Vec<(usize, usize)> = (0..bands)
+            .rev()
+            .flat_map(|bi| (0..=bi).map(move |bj| (bi, bj)))
+            .collect();
+        let prod = SendPtr(self.prod.as_mut_ptr());
+        blocks.into_par_iter().for_each(|(bi, bj)| {
+            let (i0, j0) = (bi * BAND, bj * BAND);
+            let (i1, j1) = ((i0 + BAND).min(d), (j0 + BAND).min(d));
+            // SAFETY: dst is rows i0..i1, columns j0..j1 of the d x d `prod` (row stride d), which
+            // no other task writes; lhs = X^T's rows i0..i1 (element (i, p) = x[p d + i0 + i]),
+            // rhs = X's columns j0..j1 (element (p, j) = x[p d + j0 + j]), X being m x d: all in
+            // bounds.
             unsafe {
                 gemm::gemm(
                     i1 - i0,
-                    i1,
+                    j1 - j0,
                     m,
-                    self.prod.as_mut_ptr().add(i0 * d),
+                    prod.get().add(i0 * d + j0),
                     1,
                     d as isize,
                     false,
-                    self.buf.as_ptr().add(i0),
+                    x.as_ptr().add(i0),
                     d as isize,
                     1,
-                    self.buf.as_ptr(),
+                    x.as_ptr().add(j0),
                     1,
                     d as isize,
                     0.0,
@@ -250,25 +278,32 @@ impl Hessian {
                     false,
                     false,
                     false,
-                    gemm::Parallelism::Rayon(rayon::current_num_threads()),
+                    gemm::Parallelism::None,
                 );
             }
-        }
-        let lower = |i: usize| i * d..i * d + i + 1;
+        });
         // A product of squares can overflow f32 even from finite rows; such a chunk is
         // recounted as skipped rather than poisoning H.
-        if (0..d).all(|i| self.prod[lower(i)].iter().all(|v| v.is_finite())) {
-            for i in 0..d {
-                self.h[lower(i)]
-                    .iter_mut()
-                    .zip(&self.prod[lower(i)])
-                    .for_each(|(h, &p)| *h += p as f64);
-            }
+        let finite = self
+            .prod
+            .par_chunks(d)
+            .enumerate()
+            .all(|(i, r)| r[..=i].iter().all(|v| v.is_finite()));
+        if finite {
+            self.h
+                .par_chunks_mut(d)
+                .zip(self.prod.par_chunks(d))
+                .enumerate()
+                .for_each(|(i, (h, p))| {
+                    h[..=i]
+                        .iter_mut()
+                        .zip(&p[..=i])
+                        .for_each(|(h, &p)| *h += p as f64)
+                });
             self.rows += m;
         } else {
             self.skipped += m;
         }
-        self.buf.clear();
     }
 
     /// `H` zero-padded to `k x k` (inputs exllamav3 pads to 128s are never active).

@@ -1,14 +1,17 @@
 //! `trellm quantize`: a model becomes an EXL3 folder that exllamav3 and trellm load.
 //!
 //! The calibration rows run through the model's CPU decoder one half-layer at a time
-//! (attention, then MLP), as exllamav3 and GPTQ do: each half first runs with its source
-//! weights while [`calibration::Hessian`]s collect its projections' input rows (q/k/v share one,
-//! gate/up share one, o and down have their own), its projections are quantized
-//! ([`trellm_quant::exl3::quantize::quantize_layer`]: incoherence, LDLQ, the trellis search),
-//! and then the rows go on through the *quantized* half, so every later layer is calibrated
-//! against the errors the earlier ones really make. The head is quantized last, from the final
-//! normed rows. Each finished layer goes to a checkpoint in `OUT/.checkpoint/`, with the
-//! calibration state every so often, so an interrupted run resumes where it stopped.
+//! (attention, then MLP), quantizing as they go, as GPTQ's sequential mode does. In each half,
+//! [`calibration::Hessian`]s first collect the normed rows that q/k/v (gate/up) read, and those
+//! projections are quantized ([`trellm_quant::exl3::quantize::quantize_layer`]: incoherence,
+//! LDLQ, the trellis search); then the rows run through the *quantized* q/k/v and attention
+//! (gate/up and activation) while o's (down's) input is collected and kept, o (down) is
+//! quantized, and the half is finished from the kept inputs. Every projection is thus
+//! calibrated against the errors the ones before it really make, and each runs once per pass
+//! over the rows (the kept inputs are recomputed instead where they would exceed
+//! [`KEEP_BYTES`]). The head is quantized last, from the final normed rows. Each finished layer
+//! goes to a checkpoint in `OUT/.checkpoint/`, with the calibration state every so often, so an
+//! interrupted run resumes where it stopped.
 
 pub mod calibration;
 pub mod folder;
@@ -125,6 +128,10 @@ pub struct Summary {
 /// How often the calibration state (all rows' hidden vectors, large) is saved to the
 /// checkpoint: a resumed run redoes at most this much work.
 const STATE_SAVE_INTERVAL: Duration = Duration::from_secs(60);
+
+/// The most bytes of the o / down inputs kept between the pass that collects them and the one
+/// that finishes the half-layer from them (beyond it, that pass runs the half again).
+const KEEP_BYTES: usize = 4 << 30;
 
 /// A layer's projections in the order they are quantized, with the input each reads.
 const ATTN: [(Role, Tap); 4] = [
@@ -546,51 +553,66 @@ fn quantize_hf(
         let mut tensors = Vec::new();
         let mut worst = 0.0f64;
         for (half, roles) in [(&ops[..split], &ATTN[..]), (&ops[split..], &MLP[..])] {
-            // Inputs seen with this half's source weights (the earlier ones quantized).
-            let mut hs: HashMap<Tap, Hessian> = HashMap::new();
-            // TapOnly leaves the rows as they are: no copy needed.
-            for row in &mut state {
-                let n = row.len() / hidden;
-                model.forward_layer(half, &qlw, row, Tail::TapOnly, &mut |tap, input| {
-                    hs.entry(tap)
-                        .or_insert_with(|| Hessian::new(input.len() / n))
-                        .add(input);
-                })?;
-            }
-            for (tap, h) in &hs {
-                if h.skipped > 0 {
+            // Two groups a half: the projections that read its norm's output (q/k/v, gate/up),
+            // then the one that reads theirs (o, down). Each group's inputs are collected with
+            // the groups before it already quantized, so each pass runs its projections once.
+            let (first, last) = (roles[0].1, roles[roles.len() - 1].1);
+            let finish = half.last().expect("a half has ops");
+            // The last group's inputs, kept to finish the half from when they fit.
+            let width = linear_of(&qlw, roles[roles.len() - 1].0).map_or(0, |x| x.w.cols());
+            let keep = tokens * width * 4 <= KEEP_BYTES;
+            let mut kept: Vec<Vec<f32>> = Vec::new();
+            for (tap, tail) in [(first, Tail::InputOnly), (last, Tail::TapOnly)] {
+                let mut h: Option<Hessian> = None;
+                for row in &mut state {
+                    let n = row.len() / hidden;
+                    model.forward_layer(half, &qlw, row, tail, &mut |t, input| {
+                        if t != tap {
+                            return;
+                        }
+                        h.get_or_insert_with(|| Hessian::new(input.len() / n))
+                            .add(input);
+                        if t == last && keep {
+                            kept.push(input.to_vec());
+                        }
+                    })?;
+                }
+                if let Some(h) = h.as_ref().filter(|h| h.skipped > 0) {
                     warn(
                         format!(
                             "layer {l} {} input: {} of {} rows held inf/NaN and were left out of H",
-                            tap_name(*tap),
+                            tap_name(tap),
                             h.skipped,
                             h.rows + h.skipped
                         ),
                         &mut warnings,
                     );
                 }
-            }
-            for &(role, tap) in roles {
-                let Some(lin) = slot(&mut qlw, role) else {
-                    continue;
-                };
-                let base = hf_name(cfg, role, l);
-                pb.set_message(base.clone());
-                let mut w = Vec::new();
-                let bits = layer_bits[&role];
-                let q =
-                    quantize_linear(&base, lin, hs.get(&tap), bits, opts.codebook, &enc, &mut w)?;
-                for w in w {
-                    warn(w, &mut warnings);
+                for &(role, _) in roles.iter().filter(|(_, t)| *t == tap) {
+                    let Some(lin) = slot(&mut qlw, role) else {
+                        continue;
+                    };
+                    let base = hf_name(cfg, role, l);
+                    pb.set_message(base.clone());
+                    let mut w = Vec::new();
+                    let bits = layer_bits[&role];
+                    let q =
+                        quantize_linear(&base, lin, h.as_ref(), bits, opts.codebook, &enc, &mut w)?;
+                    for w in w {
+                        warn(w, &mut warnings);
+                    }
+                    pb.inc(tiles(lin.w.rows(), lin.w.cols()));
+                    worst = worst.max(q.proxy_err);
+                    *lin = q.linear;
+                    tensors.extend(q.tensors);
                 }
-                pb.inc(tiles(lin.w.rows(), lin.w.cols()));
-                worst = worst.max(q.proxy_err);
-                *lin = q.linear;
-                tensors.extend(q.tensors);
             }
             // On through the quantized half.
-            for row in &mut state {
-                model.forward_layer(half, &qlw, row, Tail::Residual, &mut |_, _| {})?;
+            for (i, row) in state.iter_mut().enumerate() {
+                match kept.get(i) {
+                    Some(input) => model.finish_half(finish, &qlw, input, row)?,
+                    None => model.forward_layer(half, &qlw, row, Tail::Residual, &mut |_, _| {})?,
+                }
             }
         }
         folder::write_safetensors(&ck.layer_file(l), &tensors.iter().collect::<Vec<_>>())?;

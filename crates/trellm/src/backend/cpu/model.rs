@@ -4,7 +4,7 @@
 //! Linear layers run over every token of the step at once, so decode rows of a batch read each
 //! weight block once (the multi-row kernels); attention runs per sequence over its own blocks.
 
-use anyhow::{ensure, Result};
+use anyhow::{bail, ensure, Result};
 use rayon::prelude::*;
 use trellm_model::plan::{NormOp, Op, Plan, QkvEpilogue, ResidualEpilogue};
 use trellm_model::{Batch, ModelBackend, Shard};
@@ -28,6 +28,9 @@ pub enum Tail {
     Partial,
     /// Skip it: a pass that only collects the projections' inputs.
     TapOnly,
+    /// Stop once the first projection's input (the half-layer's normed rows) has been shown:
+    /// nothing after the norm runs.
+    InputOnly,
 }
 
 /// A model on the CPU: shared by every sequence, immutable.
@@ -198,6 +201,29 @@ impl Scratch {
             up: zeros(cfg.intermediate),
         }
     }
+
+    /// Buffers for `m` token rows of `cfg`'s model, reusing these (the values left in them are
+    /// not cleared: a layer writes every buffer before it reads it).
+    fn resize(&mut self, cfg: &ModelConfig, m: usize) {
+        let (h, q_dim, kv_dim) = (
+            cfg.hidden,
+            cfg.n_heads * cfg.head_dim,
+            cfg.n_kv_heads * cfg.head_dim,
+        );
+        for (b, width) in [
+            (&mut self.x, h),
+            (&mut self.xn, h),
+            (&mut self.q, q_dim),
+            (&mut self.k, kv_dim),
+            (&mut self.v, kv_dim),
+            (&mut self.attn, q_dim),
+            (&mut self.proj, h),
+            (&mut self.gate, cfg.intermediate),
+            (&mut self.up, cfg.intermediate),
+        ] {
+            b.resize(m * width, 0.0);
+        }
+    }
 }
 
 impl CpuModel {
@@ -232,7 +258,7 @@ impl CpuModel {
             );
         }
         if let Some(&bad) = batch.tokens.iter().find(|&&t| t as usize >= self.cfg.vocab) {
-            anyhow::bail!(
+            bail!(
                 "token id {bad} is outside the vocabulary (size {})",
                 self.cfg.vocab
             );
@@ -358,6 +384,9 @@ impl CpuModel {
                 Op::AttnNorm(n) => pre_norm(st, n, &lw.attn_norm),
                 Op::Qkv(e) => {
                     tap(Tap::Qkv, &st.xn);
+                    if tail == Tail::InputOnly {
+                        return;
+                    }
                     linear(&st.xn, rows, &lw.q, &mut st.q, acts);
                     linear(&st.xn, rows, &lw.k, &mut st.k, acts);
                     linear(&st.xn, rows, &lw.v, &mut st.v, acts);
@@ -445,12 +474,15 @@ impl CpuModel {
                         Tail::Partial => {
                             cpu::linear_batched(&st.attn, rows, &lw.o.w, &mut st.proj, acts)
                         }
-                        Tail::TapOnly => {}
+                        Tail::TapOnly | Tail::InputOnly => {}
                     }
                 }
                 Op::MlpNorm(n) => pre_norm(st, n, &lw.ffn_norm),
                 Op::GateUp(g) => {
                     tap(Tap::GateUp, &st.xn);
+                    if tail == Tail::InputOnly {
+                        return;
+                    }
                     match (g.gated, &lw.gate) {
                         (true, Some(gate))
                             if cpu::gated_exl3(
@@ -483,7 +515,7 @@ impl CpuModel {
                         Tail::Partial => {
                             cpu::linear_batched(&st.gate, rows, &lw.down.w, &mut st.proj, acts)
                         }
-                        Tail::TapOnly => {}
+                        Tail::TapOnly | Tail::InputOnly => {}
                     }
                 }
             }
@@ -843,12 +875,20 @@ fn attention_gemm(
     }
 }
 
+thread_local! {
+    /// [`CpuModel::forward_layer`]'s working memory (activations and the one layer's KV
+    /// blocks), kept from call to call: made and zeroed anew for each 2048-token row (about 50
+    /// MB for SmolLM2), it kept one thread busy while the other waited, 1 s of a 27 s layer.
+    static PASS_MEMORY: std::cell::RefCell<(Option<Scratch>, Vec<Vec<f32>>)> =
+        const { std::cell::RefCell::new((None, Vec::new())) };
+}
+
 impl CpuModel {
     /// Runs `ops` (a layer's plan or a part of it) with weights `lw` over the hidden states `x`
     /// (`[tokens][hidden]`) of one sequence at positions `0..tokens`, in place, showing `tap`
     /// the input rows of each linear projection. The quantizer's calibration pass runs a model
     /// this way, a half-layer (with weights it has just quantized) at a time; the keys and
-    /// values live in a cache of one layer made for the call. With [`Tail::TapOnly`] the output
+    /// values live in a cache of one layer kept by the calling thread. With [`Tail::TapOnly`] the output
     /// and down projections are only shown to `tap`, and `x` is left as it was.
     pub fn forward_layer(
         &self,
@@ -868,11 +908,6 @@ impl CpuModel {
         let bs = crate::backend::BLOCK_SIZE;
         let n_blocks = m.div_ceil(bs);
         let kv_dim = cfg.n_kv_heads * cfg.head_dim;
-        let mut kv = CpuKv {
-            block_size: bs,
-            kv_dim,
-            blocks: (0..n_blocks).map(|_| vec![0.0; 2 * bs * kv_dim]).collect(),
-        };
         let mut batch = Batch::default();
         // The token ids are never read (no embedding): only the count and positions matter.
         batch.push(
@@ -881,12 +916,56 @@ impl CpuModel {
             (0..n_blocks as u32).collect(),
             trellm_model::Want::None,
         );
-        let mut st = Scratch::new(cfg, m);
-        st.x.copy_from_slice(x);
-        cpu::pool().install(|| self.layer(0, ops, lw, &batch, &mut kv, &mut st, tap, tail));
-        if tail != Tail::TapOnly {
-            x.copy_from_slice(&st.x);
-        }
+        PASS_MEMORY.with_borrow_mut(|(st, blocks)| {
+            let st = st.get_or_insert_with(|| Scratch::new(cfg, 0));
+            st.resize(cfg, m);
+            blocks.resize_with(n_blocks, Vec::new);
+            blocks
+                .iter_mut()
+                .for_each(|b| b.resize(2 * bs * kv_dim, 0.0));
+            let mut kv = CpuKv {
+                block_size: bs,
+                kv_dim,
+                blocks: std::mem::take(blocks),
+            };
+            st.x.copy_from_slice(x);
+            cpu::pool().install(|| self.layer(0, ops, lw, &batch, &mut kv, st, tap, tail));
+            if matches!(tail, Tail::Residual | Tail::Partial) {
+                x.copy_from_slice(&st.x);
+            }
+            *blocks = kv.blocks;
+        });
+        Ok(())
+    }
+
+    /// The rest of a half-layer from its last projection's input (`input`: `[tokens][width]`,
+    /// the rows [`Tap::O`] or [`Tap::Down`] showed): `op`, the output or down projection with
+    /// `lw`'s weights, added to `x` (`[tokens][hidden]`) as a [`Tail::Residual`] pass adds it.
+    pub fn finish_half(
+        &self,
+        op: &Op,
+        lw: &LayerWeights,
+        input: &[f32],
+        x: &mut [f32],
+    ) -> Result<()> {
+        let (l, e, post) = match op {
+            Op::Output(e) => (&lw.o, e, &lw.post_attn_norm),
+            Op::Down(e) => (&lw.down, e, &lw.post_ffn_norm),
+            _ => bail!("finish_half: {op:?} is not a half-layer's last projection"),
+        };
+        let h = self.cfg.hidden;
+        let m = x.len() / h.max(1);
+        ensure!(
+            m > 0 && x.len() == m * h && input.len() == m * l.w.cols(),
+            "finish_half: {} inputs and {} hidden values for {m} rows",
+            input.len(),
+            x.len()
+        );
+        let mut proj = vec![0.0f32; m * h];
+        cpu::pool().install(|| {
+            linear(input, &[m], l, &mut proj, self.exl3_activations);
+            residual(e, post, x, &mut proj);
+        });
         Ok(())
     }
 
