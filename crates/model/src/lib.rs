@@ -19,4 +19,4 @@ pub use config::ModelConfig;
 pub use kv::{BlockPool, BlockTable, PoolFull};
 pub use plan::Plan;
 pub use shard::Shard;
-pub use step::{Batch, ModelBackend, SeqStep, Want};
+pub use step::{Batch, Logits, ModelBackend, SeqStep, Want};

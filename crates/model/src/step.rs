@@ -1,6 +1,8 @@
 //! The contract between the scheduler and a backend: one forward pass over a ragged batch of
 //! tokens from many sequences, each reading and extending its own blocks of a paged KV cache.
 
+use std::ops::Deref;
+
 use anyhow::Result;
 
 use crate::config::ModelConfig;
@@ -66,6 +68,46 @@ impl Batch {
     }
 }
 
+/// A step's logits, `vocab` values a row, sequence by sequence: a vector, or a buffer the backend
+/// lends until this is dropped (a GPU's page-locked host memory it copied them into, as
+/// llama.cpp's output buffer is: no second copy on the host).
+pub enum Logits {
+    Owned(Vec<f32>),
+    Lent(Box<dyn AsRef<[f32]> + Send>),
+}
+
+impl Logits {
+    /// The values as a vector (copied only when lent).
+    pub fn into_vec(self) -> Vec<f32> {
+        match self {
+            Logits::Owned(v) => v,
+            Logits::Lent(b) => (*b).as_ref().to_vec(),
+        }
+    }
+}
+
+impl Deref for Logits {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        match self {
+            Logits::Owned(v) => v,
+            Logits::Lent(b) => (**b).as_ref(),
+        }
+    }
+}
+
+impl From<Vec<f32>> for Logits {
+    fn from(v: Vec<f32>) -> Logits {
+        Logits::Owned(v)
+    }
+}
+
+impl std::fmt::Debug for Logits {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Logits({} values)", self.len())
+    }
+}
+
 /// A loaded model on one backend: immutable and shared by every sequence (`Arc`), with a KV
 /// cache of fixed-size blocks that the backend stores and the caller hands out ([`crate::kv`]).
 pub trait ModelBackend: Send + Sync {
@@ -85,5 +127,5 @@ pub trait ModelBackend: Send + Sync {
 
     /// Runs `batch`: writes each new token's keys and values at its position in its sequence's
     /// blocks and returns the wanted logits, `vocab` values a row, sequence by sequence.
-    fn step(&self, batch: &Batch, cache: &mut Self::Cache) -> Result<Vec<f32>>;
+    fn step(&self, batch: &Batch, cache: &mut Self::Cache) -> Result<Logits>;
 }

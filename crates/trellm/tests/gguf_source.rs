@@ -19,7 +19,7 @@ fn last_logits(m: &trellm::LoadedModel, ids: &[u32]) -> Vec<f32> {
     let mut cache = m.model.new_cache(n, bs).unwrap();
     let mut batch = Batch::default();
     batch.push(ids, 0, (0..n as u32).collect(), Want::Last);
-    m.model.step(&batch, &mut cache).unwrap()
+    m.model.step(&batch, &mut cache).unwrap().into_vec()
 }
 
 #[test]

@@ -9,7 +9,7 @@ use anyhow::{anyhow, bail, ensure, Result};
 use trellm_cuda::dense::{DenseModel, DenseWeights, PagedKv, KV_BLOCK, MAX_SEQS};
 use trellm_cuda::Gpu;
 
-use trellm_model::{Batch, ModelBackend, Shard, Want};
+use trellm_model::{Batch, Logits, ModelBackend, Shard, Want};
 
 use super::cpu::CpuModel;
 use super::SoloSequence;
@@ -186,9 +186,10 @@ impl ModelBackend for CudaModel {
         Ok(())
     }
 
-    fn step(&self, batch: &Batch, cache: &mut CudaCache) -> Result<Vec<f32>> {
+    fn step(&self, batch: &Batch, cache: &mut CudaCache) -> Result<Logits> {
         if self.ranks.len() == 1 {
-            return self.rank(0)?.0.step_batch(batch, &cache.0[0].0);
+            let rows = self.rank(0)?.0.step_batch(batch, &cache.0[0].0)?;
+            return Ok(Logits::Lent(Box::new(rows)));
         }
         // Every rank steps at once (its all-reduces wait for the others'); all hold the same
         // logits (the head is replicated), rank 0's are returned.
@@ -204,7 +205,8 @@ impl ModelBackend for CudaModel {
                     .map_err(|_| anyhow!("a tensor-parallel rank panicked"))??;
                 first.get_or_insert(logits);
             }
-            first.ok_or_else(|| anyhow!("no ranks"))
+            let rows = first.ok_or_else(|| anyhow!("no ranks"))?;
+            Ok(Logits::Lent(Box::new(rows)))
         })
     }
 }

@@ -8,7 +8,7 @@ pub mod cuda;
 
 use anyhow::{anyhow, Result};
 pub use trellm_model::ModelBackend;
-use trellm_model::{Batch, BlockPool, BlockTable, Want};
+use trellm_model::{Batch, BlockPool, BlockTable, Logits, Want};
 
 /// Where forward passes run (`--device`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
@@ -62,7 +62,7 @@ impl<'a, M: ModelBackend> SoloSequence<'a, M> {
             .map_err(|e| anyhow!("{e}"))?;
         let mut b = Batch::default();
         b.push(tokens, start, self.table.blocks().to_vec(), want);
-        let out = self.model.step(&b, &mut self.cache);
+        let out = self.model.step(&b, &mut self.cache).map(Logits::into_vec);
         if out.is_err() {
             self.pool.truncate(&mut self.table, start);
         }

@@ -20,7 +20,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use trellm_model::{Batch, BlockPool, BlockTable, ModelBackend, ModelConfig, Want};
+use trellm_model::{Batch, BlockPool, BlockTable, Logits, ModelBackend, ModelConfig, Want};
 use trellm_tokenizer::{StreamDecoder, Tokenizer};
 
 use super::constraint::Constraint;
@@ -155,7 +155,7 @@ struct Seq<'t> {
 
 /// A model on some backend with its KV cache, the backend's type erased.
 trait Runner: Send {
-    fn step(&mut self, batch: &Batch) -> anyhow::Result<Vec<f32>>;
+    fn step(&mut self, batch: &Batch) -> anyhow::Result<Logits>;
     fn copy_blocks(&mut self, copies: &[(u32, u32)]) -> anyhow::Result<()>;
 }
 
@@ -165,7 +165,7 @@ struct Bound<M: ModelBackend> {
 }
 
 impl<M: ModelBackend> Runner for Bound<M> {
-    fn step(&mut self, batch: &Batch) -> anyhow::Result<Vec<f32>> {
+    fn step(&mut self, batch: &Batch) -> anyhow::Result<Logits> {
         self.model.step(batch, &mut self.cache)
     }
     fn copy_blocks(&mut self, copies: &[(u32, u32)]) -> anyhow::Result<()> {

@@ -368,7 +368,9 @@ fn check_same_model(m: &LoadedModel, dir: &Path) -> Result<()> {
         let mut cache = model.new_cache(n, crate::backend::BLOCK_SIZE)?;
         let mut batch = Batch::default();
         batch.push(&ids, 0, (0..n as u32).collect(), Want::All);
-        model.step(&batch, &mut cache)
+        model
+            .step(&batch, &mut cache)
+            .map(trellm_model::Logits::into_vec)
     };
     let (x, y) = (logits(&m.model)?, logits(&hf.model)?);
     let worst = x

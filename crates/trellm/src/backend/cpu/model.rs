@@ -7,7 +7,7 @@
 use anyhow::{bail, ensure, Result};
 use rayon::prelude::*;
 use trellm_model::plan::{NormOp, Op, Plan, QkvEpilogue, ResidualEpilogue};
-use trellm_model::{Batch, ModelBackend, Shard};
+use trellm_model::{Batch, Logits, ModelBackend, Shard};
 
 use crate::backend::cpu::{self, Exl3Activations};
 use crate::model::config::{ModelConfig, Norm, QkNorm};
@@ -1007,14 +1007,14 @@ impl ModelBackend for CpuModel {
         Ok(())
     }
 
-    fn step(&self, batch: &Batch, kv: &mut CpuKv) -> Result<Vec<f32>> {
+    fn step(&self, batch: &Batch, kv: &mut CpuKv) -> Result<Logits> {
         if batch.seqs.is_empty() {
-            return Ok(Vec::new());
+            return Ok(Vec::new().into());
         }
         self.check(batch, kv)?;
         // On a pool thread, the many small parallel ops of a step are handed to the other
         // workers directly instead of each being injected from outside and waited for.
-        Ok(cpu::pool().install(|| self.step_on_pool(batch, kv)))
+        Ok(cpu::pool().install(|| self.step_on_pool(batch, kv)).into())
     }
 }
 
@@ -1114,13 +1114,13 @@ impl ModelBackend for ShardedCpu {
         Ok(())
     }
 
-    fn step(&self, batch: &Batch, kv: &mut ShardedKv) -> Result<Vec<f32>> {
+    fn step(&self, batch: &Batch, kv: &mut ShardedKv) -> Result<Logits> {
         if batch.seqs.is_empty() {
-            return Ok(Vec::new());
+            return Ok(Vec::new().into());
         }
         for (r, k) in self.ranks.iter().zip(&kv.0) {
             r.check(batch, k)?;
         }
-        Ok(cpu::pool().install(|| self.step_on_pool(batch, kv)))
+        Ok(cpu::pool().install(|| self.step_on_pool(batch, kv)).into())
     }
 }
