@@ -150,6 +150,33 @@ fn search_table(cb: Codebook, k: u32) -> &'static [f32] {
         .0
 }
 
+/// Edges per block of [`search_table_avx2`]: the AVX2 step's four chains of 8 lanes.
+const BLOCK_AVX2: usize = 32;
+
+/// The codebook's values in the order the AVX2 step reads them: per block of [`BLOCK_AVX2`]
+/// edges, candidate `c`'s values for those edges in edge order, `c` after `c` (front to back,
+/// instead of 2^K streams 2^(16-K) values apart that alias in the L1 cache).
+fn search_table_avx2(cb: Codebook, k: u32) -> &'static [f32] {
+    static TABLES: [[OnceLock<Box<codebook::Table>>; 8]; 3] =
+        [const { [const { OnceLock::new() }; 8] }; 3];
+    let i = Codebook::ALL.iter().position(|(c, _)| *c == cb).unwrap();
+    &TABLES[i][k as usize - 1]
+        .get_or_init(|| {
+            let (table, kr) = (codebook::table(cb), 16 - k);
+            let mut t = Box::new(codebook::Table([0.0; 65536]));
+            for (i, v) in t.0.iter_mut().enumerate() {
+                let (block, c, j) = (
+                    i / (BLOCK_AVX2 << k),
+                    i / BLOCK_AVX2 % (1 << k),
+                    i % BLOCK_AVX2,
+                );
+                *v = table[(c << kr) | (block * BLOCK_AVX2 + j)];
+            }
+            t
+        })
+        .0
+}
+
 /// The low K bits of a candidate's f32 cost carry its `c`, so one unsigned minimum of the bit
 /// patterns (costs are never negative, so their bits order as their values) gives the best
 /// cost and its back-pointer together; the lowest `c` wins ties. Costs that differ only in those
@@ -303,8 +330,9 @@ mod avx512 {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    /// [`super::step_scalar`] on 32 edges at a time (four 8-lane chains) over the plain table,
-    /// as the AVX-512 step with an and + or for the tag; bit-identical to the scalar step.
+    /// [`super::step_scalar`] on 32 edges at a time (four 8-lane chains), the values read from
+    /// [`super::search_table_avx2`], as the AVX-512 step with an and + or for the tag;
+    /// bit-identical to the scalar step.
     #[target_feature(enable = "avx2,fma")]
     unsafe fn step_k<const K: u32>(
         table: &[f32],
@@ -324,14 +352,20 @@ mod avx2 {
             _mm256_set1_epi32(K as i32),
         );
         let (tp, pp) = (table.as_ptr(), prev.as_ptr());
-        const G: usize = 4;
-        for o0 in (0..edges).step_by(8 * G) {
+        // Byte 0 of each dword to the low four bytes of its 128-bit half (back-pointers).
+        let low_bytes = _mm256_setr_epi8(
+            0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8, 12, -1, -1, -1,
+            -1, -1, -1, -1, -1, -1, -1, -1, -1,
+        );
+        const G: usize = super::BLOCK_AVX2 / 8;
+        for o0 in (0..edges).step_by(super::BLOCK_AVX2) {
             let mut best = [_mm256_set1_epi32(-1); G];
+            let block = tp.add(o0 << K);
             for c in 0..1usize << K {
                 let cv = _mm256_set1_epi32(c as i32);
                 for (g, best) in best.iter_mut().enumerate() {
                     let o = o0 + 8 * g;
-                    let v = _mm256_loadu_ps(tp.add((c << kr) | o));
+                    let v = _mm256_loadu_ps(block.add(c * super::BLOCK_AVX2 + 8 * g));
                     let base = (c << (kr - K)) | (o >> K);
                     let p = if K >= 3 {
                         _mm256_set1_ps(*pp.add(base))
@@ -350,10 +384,10 @@ mod avx2 {
                     next.as_mut_ptr().add(o) as *mut __m256i,
                     _mm256_and_si256(best, keep),
                 );
-                let t: [u32; 8] = std::mem::transmute(_mm256_and_si256(best, tag));
-                for (j, &c) in t.iter().enumerate() {
-                    bp[o + j] = c as u8;
-                }
+                let b = _mm256_shuffle_epi8(_mm256_and_si256(best, tag), low_bytes);
+                let b =
+                    _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256::<1>(b));
+                _mm_storel_epi64(bp.as_mut_ptr().add(o) as *mut __m128i, b);
             }
         }
     }
@@ -400,7 +434,7 @@ fn step_with(
         },
         #[cfg(target_arch = "x86_64")]
         Level::Avx2 if level.is_available() => unsafe {
-            avx2::step(k, codebook::table(cb), prev, next, bp, w)
+            avx2::step(k, search_table_avx2(cb, k), prev, next, bp, w)
         },
         _ => step_scalar(k, codebook::table(cb), prev, next, bp, w),
     }
