@@ -128,49 +128,30 @@ fn lane_edge(k: u32, j: usize) -> usize {
     }
 }
 
-/// The codebook's values in the order the AVX-512 step reads them for `K`: per block of
-/// [`BLOCK`] edges, candidate `c`'s values for those edges (lanes as [`lane_edge`] orders them),
-/// `c` after `c`. In the plain table the 2^K candidates of an edge lie 2^(16-K) values apart,
-/// so their streams alias in the L1 cache; here a step reads the table front to back.
-fn search_table(cb: Codebook, k: u32) -> &'static [f32] {
-    static TABLES: [[OnceLock<Box<codebook::Table>>; 8]; 3] =
-        [const { [const { OnceLock::new() }; 8] }; 3];
-    let i = Codebook::ALL.iter().position(|(c, _)| *c == cb).unwrap();
-    &TABLES[i][k as usize - 1]
-        .get_or_init(|| {
-            let (table, kr) = (codebook::table(cb), 16 - k);
-            let mut t = Box::new(codebook::Table([0.0; 65536]));
-            for (i, v) in t.0.iter_mut().enumerate() {
-                let (block, c, j) = (i / (BLOCK << k), i / BLOCK % (1 << k), i % BLOCK);
-                let edge = block * BLOCK + j / 16 * 16 + lane_edge(k, j % 16);
-                *v = table[(c << kr) | edge];
-            }
-            t
-        })
-        .0
-}
-
-/// Edges per block of [`search_table_avx2`]: the AVX2 step's four chains of 8 lanes.
+/// Edges per block of the AVX2 step's table: its four chains of 8 lanes.
 const BLOCK_AVX2: usize = 32;
 
-/// The codebook's values in the order the AVX2 step reads them: per block of [`BLOCK_AVX2`]
-/// edges, candidate `c`'s values for those edges in edge order, `c` after `c` (front to back,
-/// instead of 2^K streams 2^(16-K) values apart that alias in the L1 cache).
-fn search_table_avx2(cb: Codebook, k: u32) -> &'static [f32] {
-    static TABLES: [[OnceLock<Box<codebook::Table>>; 8]; 3] =
-        [const { [const { OnceLock::new() }; 8] }; 3];
+/// The codebook's values in the order a SIMD step reads them for `K`: per block of `block`
+/// edges ([`BLOCK`] for AVX-512, [`BLOCK_AVX2`] for AVX2), candidate `c`'s values for those
+/// edges, `c` after `c` (AVX-512's lanes as [`lane_edge`] orders them, AVX2's in edge order). In
+/// the plain table the 2^K candidates of an edge lie 2^(16-K) values apart, so their streams
+/// alias in the L1 cache; here a step reads the table front to back.
+fn search_table(cb: Codebook, k: u32, block: usize) -> &'static [f32] {
+    static TABLES: [[[OnceLock<Box<codebook::Table>>; 8]; 3]; 2] =
+        [const { [const { [const { OnceLock::new() }; 8] }; 3] }; 2];
     let i = Codebook::ALL.iter().position(|(c, _)| *c == cb).unwrap();
-    &TABLES[i][k as usize - 1]
+    &TABLES[usize::from(block == BLOCK_AVX2)][i][k as usize - 1]
         .get_or_init(|| {
             let (table, kr) = (codebook::table(cb), 16 - k);
             let mut t = Box::new(codebook::Table([0.0; 65536]));
             for (i, v) in t.0.iter_mut().enumerate() {
-                let (block, c, j) = (
-                    i / (BLOCK_AVX2 << k),
-                    i / BLOCK_AVX2 % (1 << k),
-                    i % BLOCK_AVX2,
-                );
-                *v = table[(c << kr) | (block * BLOCK_AVX2 + j)];
+                let (b, c, j) = (i / (block << k), i / block % (1 << k), i % block);
+                let lane = if block == BLOCK {
+                    j / 16 * 16 + lane_edge(k, j % 16)
+                } else {
+                    j
+                };
+                *v = table[(c << kr) | (b * block + lane)];
             }
             t
         })
@@ -331,7 +312,7 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     /// [`super::step_scalar`] on 32 edges at a time (four 8-lane chains), the values read from
-    /// [`super::search_table_avx2`], as the AVX-512 step with an and + or for the tag;
+    /// [`super::search_table`], as the AVX-512 step with an and + or for the tag;
     /// bit-identical to the scalar step.
     #[target_feature(enable = "avx2,fma")]
     unsafe fn step_k<const K: u32>(
@@ -430,11 +411,11 @@ fn step_with(
         // `Scratch::new` for this K (costs padded by 16), the search table for this K.
         #[cfg(target_arch = "x86_64")]
         Level::Avx512 if level.is_available() => unsafe {
-            avx512::step(k, search_table(cb, k), prev, next, bp, w)
+            avx512::step(k, search_table(cb, k, BLOCK), prev, next, bp, w)
         },
         #[cfg(target_arch = "x86_64")]
         Level::Avx2 if level.is_available() => unsafe {
-            avx2::step(k, search_table_avx2(cb, k), prev, next, bp, w)
+            avx2::step(k, search_table(cb, k, BLOCK_AVX2), prev, next, bp, w)
         },
         _ => step_scalar(k, codebook::table(cb), prev, next, bp, w),
     }
