@@ -20,15 +20,23 @@ pub fn scaled_sign_matrix() -> Vec<f32> {
 
 /// In place, on every 128-block of `x` (whose length must be a multiple of 128): the fast
 /// Walsh-Hadamard butterfly, then the 1/sqrt(128) scale. `H` is symmetric, so this is both
-/// `H x` and `x H`. Runs the AVX-512 butterfly where the CPU has it (the same sums and
+/// `H x` and `x H`. Runs the AVX-512 or AVX2 butterfly where the CPU has it (the same sums and
 /// differences in the same order, so the same bits as [`hadamard128_scalar`]).
 pub fn hadamard128(x: &mut [f32]) {
     assert!(x.len().is_multiple_of(128), "Hadamard blocks are 128 wide");
     #[cfg(target_arch = "x86_64")]
-    if crate::ggml::dot::Level::Avx512.is_available() {
-        // SAFETY: AVX-512 F is available; `x` holds whole 128-blocks.
-        unsafe { avx512::hadamard128(x) };
-        return;
+    {
+        use crate::ggml::dot::Level;
+        if Level::Avx512.is_available() {
+            // SAFETY: AVX-512 F is available; `x` holds whole 128-blocks.
+            unsafe { avx512::hadamard128(x) };
+            return;
+        }
+        if Level::Avx2.is_available() {
+            // SAFETY: AVX2 and FMA are available; `x` holds whole 128-blocks.
+            unsafe { avx2::hadamard128(x) };
+            return;
+        }
     }
     hadamard128_scalar(x);
 }
@@ -41,16 +49,39 @@ pub fn hadamard128(x: &mut [f32]) {
 pub unsafe fn butterfly128_scaled_into(v: &[f32; 128], col: &[f32], s: f32, dst: *mut f32) {
     assert_eq!(col.len(), 128);
     #[cfg(target_arch = "x86_64")]
-    if crate::ggml::dot::Level::Avx512.is_available() {
-        // SAFETY: AVX-512 F is available; the caller vouches for `dst`.
-        unsafe { avx512::butterfly128_scaled_into(v, col, s, dst) };
-        return;
+    {
+        use crate::ggml::dot::Level;
+        if Level::Avx512.is_available() {
+            // SAFETY: AVX-512 F is available; the caller vouches for `dst`.
+            unsafe { avx512::butterfly128_scaled_into(v, col, s, dst) };
+            return;
+        }
+        if Level::Avx2.is_available() {
+            // SAFETY: AVX2 and FMA are available; the caller vouches for `dst`.
+            unsafe { avx2::butterfly128_scaled_into(v, col, s, dst) };
+            return;
+        }
     }
     let mut b = *v;
-    hadamard128_scalar(&mut b);
+    butterfly128(&mut b);
     for (c, (x, o)) in b.iter().zip(col).enumerate() {
         // SAFETY: the caller vouches for 128 writes.
-        unsafe { dst.add(c).write(x / SCALE * o * s) };
+        unsafe { dst.add(c).write(x * (o * s)) };
+    }
+}
+
+/// The unscaled butterfly of one 128-block.
+fn butterfly128(b: &mut [f32]) {
+    let mut h = 1;
+    while h < 128 {
+        for i in (0..128).step_by(2 * h) {
+            for j in i..i + h {
+                let (a, c) = (b[j], b[j + h]);
+                b[j] = a + c;
+                b[j + h] = a - c;
+            }
+        }
+        h *= 2;
     }
 }
 
@@ -58,18 +89,76 @@ pub unsafe fn butterfly128_scaled_into(v: &[f32; 128], col: &[f32], s: f32, dst:
 pub fn hadamard128_scalar(x: &mut [f32]) {
     assert!(x.len().is_multiple_of(128), "Hadamard blocks are 128 wide");
     for b in x.chunks_exact_mut(128) {
-        let mut h = 1;
-        while h < 128 {
-            for i in (0..128).step_by(2 * h) {
+        butterfly128(b);
+        b.iter_mut().for_each(|v| *v *= SCALE);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use core::arch::x86_64::*;
+
+    /// One in-register stage of span `h` (1, 2 or 4 lanes), as the AVX-512 one: `v * (+-1) + p`
+    /// with `p` the lane `j ^ h`, exact in the FMA.
+    #[inline(always)]
+    unsafe fn stage<const H: u32>(v: __m256) -> __m256 {
+        let p = match H {
+            1 => _mm256_permute_ps::<0b10_11_00_01>(v),
+            2 => _mm256_permute_ps::<0b01_00_11_10>(v),
+            _ => _mm256_permute2f128_ps::<0x01>(v, v),
+        };
+        let sign = match H {
+            1 => _mm256_setr_ps(1.0, -1.0, 1.0, -1.0, 1.0, -1.0, 1.0, -1.0),
+            2 => _mm256_setr_ps(1.0, 1.0, -1.0, -1.0, 1.0, 1.0, -1.0, -1.0),
+            _ => _mm256_setr_ps(1.0, 1.0, 1.0, 1.0, -1.0, -1.0, -1.0, -1.0),
+        };
+        _mm256_fmadd_ps(v, sign, p)
+    }
+
+    /// The unscaled butterfly of the 128 values at `p`.
+    #[inline(always)]
+    unsafe fn butterfly(p: *const f32) -> [__m256; 16] {
+        // (No closures here: they would not inherit the caller's target features.)
+        let mut v = [_mm256_setzero_ps(); 16];
+        for (i, r) in v.iter_mut().enumerate() {
+            *r = stage::<4>(stage::<2>(stage::<1>(_mm256_loadu_ps(p.add(8 * i)))));
+        }
+        // Spans of 8 to 64 lanes: between registers.
+        for h in [1, 2, 4, 8] {
+            for i in (0..16).step_by(2 * h) {
                 for j in i..i + h {
-                    let (a, c) = (b[j], b[j + h]);
-                    b[j] = a + c;
-                    b[j + h] = a - c;
+                    let (a, c) = (v[j], v[j + h]);
+                    v[j] = _mm256_add_ps(a, c);
+                    v[j + h] = _mm256_sub_ps(a, c);
                 }
             }
-            h *= 2;
         }
-        b.iter_mut().for_each(|v| *v *= SCALE);
+        v
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn hadamard128(x: &mut [f32]) {
+        let scale = _mm256_set1_ps(super::SCALE);
+        for b in x.chunks_exact_mut(128) {
+            let p = b.as_mut_ptr();
+            for (i, r) in butterfly(p).iter().enumerate() {
+                _mm256_storeu_ps(p.add(8 * i), _mm256_mul_ps(*r, scale));
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn butterfly128_scaled_into(
+        v: &[f32; 128],
+        col: &[f32],
+        s: f32,
+        dst: *mut f32,
+    ) {
+        let s = _mm256_set1_ps(s);
+        for (i, r) in butterfly(v.as_ptr()).iter().enumerate() {
+            let c = _mm256_mul_ps(_mm256_loadu_ps(col.as_ptr().add(8 * i)), s);
+            _mm256_storeu_ps(dst.add(8 * i), _mm256_mul_ps(*r, c));
+        }
     }
 }
 

@@ -45,7 +45,7 @@ pub enum Activations {
     /// The f32 activations and each weight's exact fp16 codebook value, f32 sums.
     #[default]
     Exact,
-    /// On MUL1 layers where the CPU has AVX-512 VNNI and VBMI2: the activations as int16 per
+    /// On MUL1 layers where the CPU has AVX2 or AVX-512: the activations as int16 per
     /// 16 inputs and MUL1's values before their fp16 rounding, integer sums per tile
     /// ([`simd::matmul_inner_int16`]); elsewhere [`Activations::Exact`].
     Int16,

@@ -2,10 +2,12 @@
 //!
 //! The SIMD paths decode each 16x16 tile in registers, straight from its bitstream, and
 //! multiply in the same pass: the tile's 16-bit states are cut from the stream with 16-bit
-//! permutes and variable shifts (AVX-512) or a scalar walk (AVX2), the codebook is computed in
-//! integer and f16/f32 arithmetic to the scalar codec's exact fp16 value (bit for bit, see
-//! `tests/exl3_simd.rs`), and each tile row (16 output columns) is multiplied by one broadcast
-//! activation per activation row. Every tile is decoded once for up to 16 activation rows.
+//! permutes and variable shifts (AVX-512), or 8 stream positions at a time from 64-bit loads
+//! and variable shifts (AVX2), the codebook is computed in integer and f16/f32 arithmetic to the
+//! scalar codec's exact fp16 value (bit for bit, see `tests/exl3_simd.rs`), and the values meet
+//! the activations of their rows (AVX-512: a tile row of 16 columns per broadcast activation;
+//! AVX2: in stream order, see `simd/avx2.rs`). Every tile is decoded once for up to 16
+//! activation rows.
 //!
 //! The levels are those of the ggml dot kernels ([`Level`]): AVX-512 F/BW/VL, AVX2 + FMA +
 //! F16C, and the scalar table-lookup path.
@@ -25,7 +27,10 @@ mod avx512;
 #[cfg(target_arch = "x86_64")]
 mod int16;
 #[cfg(target_arch = "x86_64")]
-pub use int16::{int16_available, matmul_inner_int16, matmul_inner_int16_scalar, Int16Rows};
+pub use int16::{
+    int16_available, int16_levels, matmul_inner_int16, matmul_inner_int16_scalar,
+    matmul_inner_int16_with, Int16Rows,
+};
 
 /// Activation rows handled per decoded tile.
 pub const MAX_ROWS: usize = 16;
@@ -165,32 +170,6 @@ pub(crate) fn tables(rate: Bitrate) -> &'static RateTables {
     T[i].get_or_init(|| Box::new(build(rate)))
 }
 
-/// For the AVX2 path's scalar state walk: per stream position, where its state goes in a
-/// row-major `[16][16]` state array laid out in the codebook's lane order (one tile row per
-/// 16 lanes).
-pub(crate) fn state_destinations(order: Order) -> &'static [u8; 256] {
-    static T: [OnceLock<[u8; 256]>; 2] = [OnceLock::new(), OnceLock::new()];
-    T[order as usize].get_or_init(|| {
-        let mut d = [0u8; 256];
-        for (p, v) in d.iter_mut().enumerate() {
-            let e = POSITION_INDEX[p] as usize;
-            let (r, c) = (e / 16, e % 16);
-            let lane = match order {
-                Order::Linear => c,
-                // One row per 256-bit vector: unpacklo takes lanes 0-3 and 8-11 (columns
-                // 0-7), unpackhi lanes 4-7 and 12-15 (columns 8-15).
-                Order::Unpack => {
-                    let (h, c) = (c >> 3, c & 7);
-                    8 * (c >> 2) + 4 * h + (c & 3)
-                }
-                Order::Interleave => unreachable!("the AVX2 kernels have no int16 path"),
-            };
-            *v = (16 * r + lane) as u8;
-        }
-        d
-    })
-}
-
 /// One tile decoded to f32, row-major `[in 16][out 16]`, on a chosen level: the values are the
 /// scalar codec's fp16 values exactly. Panics if the machine lacks the level.
 pub fn decode_tile_with(
@@ -215,7 +194,7 @@ pub fn decode_tile_with(
         },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        Level::Avx2 => unsafe { avx2::decode_tile(tile.as_ptr(), rate, cb, out) },
+        Level::Avx2 => unsafe { avx2::decode_tile(tile.as_ptr(), rate, cb, out.as_mut_ptr(), 16) },
         #[cfg(not(target_arch = "x86_64"))]
         _ => unreachable!(),
     }

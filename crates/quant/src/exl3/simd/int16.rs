@@ -2,7 +2,8 @@
 //! and MUL1 weights taken *before* their fp16 rounding, `w = A s + B` with `s` the byte sum of
 //! the state's hash, so that `sum_r x_r w_r = A sum_r x_r s_r + B sum_r x_r` and
 //! `sum_r xq_r s_r` is one AVX-512 VNNI `vpdpwssd` per 32 weights and activation row on the
-//! 16-bit byte sums, against the exact path's widening, fp16 rounding and two FMAs. What it
+//! 16-bit byte sums (AVX2: one `vpmaddwd` and an add per 16, `simd/avx2.rs`), against the exact
+//! path's widening, fp16 rounding and two FMAs. What it
 //! leaves out is each weight's fp16 rounding (relative 2^-12 at most) and the activations' int16
 //! rounding (2^-16 of each 16's largest): int8 activations (two `vpdpbusd` straight on the
 //! hash's bytes, ~10% faster at one row) measured outside exllamav3's own fp16 noise on its tiny
@@ -257,12 +258,29 @@ unsafe fn run<const BIG: bool>(j: &Job, t: &RateTables, rows: usize) {
     }
 }
 
-/// Whether this machine runs [`matmul_inner_int16`] (AVX-512 with VNNI and VBMI2: Zen 4, Ice Lake
-/// and later).
-pub fn int16_available() -> bool {
+/// Whether this machine has the AVX-512 int16 kernel (VNNI and VBMI2: Zen 4, Ice Lake and later).
+fn avx512_int16() -> bool {
     super::Level::Avx512.is_available()
         && is_x86_feature_detected!("avx512vnni")
         && is_x86_feature_detected!("avx512vbmi2")
+}
+
+/// The levels whose int16 kernel this machine runs, the fastest first: AVX-512 with VNNI and
+/// VBMI2, and AVX2 with FMA (`vpmaddwd` on the same 16-bit byte sums, the same bits).
+pub fn int16_levels() -> Vec<super::Level> {
+    let mut levels = Vec::new();
+    if avx512_int16() {
+        levels.push(super::Level::Avx512);
+    }
+    if super::Level::Avx2.is_available() {
+        levels.push(super::Level::Avx2);
+    }
+    levels
+}
+
+/// Whether this machine runs [`matmul_inner_int16`].
+pub fn int16_available() -> bool {
+    !int16_levels().is_empty()
 }
 
 /// [`crate::exl3::matmul_inner`] for MUL1 layers on int16 activations ([`Int16Rows`] of the rotated
@@ -276,31 +294,64 @@ pub fn matmul_inner_int16(
     tn1: usize,
     out: &mut [f32],
 ) {
+    let level = if avx512_int16() {
+        super::Level::Avx512
+    } else {
+        super::Level::Avx2
+    };
+    matmul_inner_int16_with(level, shape, trellis, x, tn0, tn1, out)
+}
+
+/// [`matmul_inner_int16`] on a chosen level (one of [`int16_levels`]); every level gives the same
+/// bits.
+pub fn matmul_inner_int16_with(
+    level: super::Level,
+    shape: &Exl3Shape,
+    trellis: &[u8],
+    x: &Int16Rows,
+    tn0: usize,
+    tn1: usize,
+    out: &mut [f32],
+) {
     let (m, tiles_k) = (x.rows, shape.tiles_k());
     let width = 16 * (tn1 - tn0);
     assert_eq!(shape.codebook, Codebook::Mul1, "the int16 path is MUL1's");
     assert!(
-        int16_available(),
-        "the int16 path needs AVX-512 VNNI and VBMI2"
+        int16_levels().contains(&level),
+        "this machine has no int16 kernel at {level:?}"
     );
     assert!(tn0 <= tn1 && tn1 <= shape.tiles_n());
     assert_eq!(x.k, shape.k);
     assert_eq!(out.len(), m * width);
     assert_eq!(trellis.len(), shape.trellis_bytes());
-    let t = tables(shape.rate);
+    let wide = level == super::Level::Avx512;
     for g0 in (0..m).step_by(super::MAX_ROWS) {
         let rows = (m - g0).min(super::MAX_ROWS);
+        let (xq, sc, bias) = (
+            x.xq[g0 * tiles_k * 8..].as_ptr(),
+            x.sc[g0 * tiles_k..].as_ptr(),
+            x.bias[g0..].as_ptr(),
+        );
+        let out = out[g0 * width..].as_mut_ptr();
+        if !wide {
+            let g = super::avx2::Int16Group { xq, sc, bias, rows };
+            // SAFETY: AVX2 and FMA are available (int16_levels); the group's activations,
+            // scales and outputs hold `rows` rows from `g0`; every tile index is in `trellis`.
+            unsafe { super::avx2::matmul_int16(shape, trellis.as_ptr(), &g, tn0, tn1, out) };
+            continue;
+        }
+        let t = tables(shape.rate);
         let j = Job {
             trellis: trellis.as_ptr(),
             tile_bytes: shape.rate.tile_bytes(),
             tiles_n: shape.tiles_n(),
             tiles_k,
-            xq: x.xq[g0 * tiles_k * 8..].as_ptr(),
-            sc: x.sc[g0 * tiles_k..].as_ptr(),
-            bias: x.bias[g0..].as_ptr(),
+            xq,
+            sc,
+            bias,
             tn0,
             tn1,
-            out: out[g0 * width..].as_mut_ptr(),
+            out,
             width,
         };
         // SAFETY: features checked above; the group's activations, scales and outputs hold
