@@ -284,6 +284,99 @@ mod avx512 {
         }
     }
 
+    /// [`step_k`] for [`super::GROUP`] tiles at once: each codebook vector loaded serves every
+    /// tile (the table is 256 KB, read from L2 once a step instead of once a tile a step). Per
+    /// lane the same operations as [`step_k`], so each tile's results are bit-identical.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+    #[allow(clippy::needless_range_loop)] // g and t index the table, tiles and minima together
+    unsafe fn step_group_k<const K: u32>(
+        table: &[f32],
+        prev: [*const f32; super::GROUP],
+        next: [*mut f32; super::GROUP],
+        bp: [*mut u8; super::GROUP],
+        w: [f32; super::GROUP],
+    ) {
+        const T: usize = super::GROUP;
+        let kr = 16 - K;
+        let edges = 1usize << kr;
+        let wv: [__m512; T] = std::array::from_fn(|t| _mm512_set1_ps(w[t]));
+        let tag = _mm512_set1_epi32(super::tag_mask(K) as i32);
+        let keep = _mm512_set1_epi32(!super::tag_mask(K) as i32);
+        let mut inverse = [0i32; 16];
+        for j in 0..16 {
+            inverse[super::lane_edge(K, j)] = j as i32;
+        }
+        let unshuffle = _mm512_loadu_si512(inverse.as_ptr() as *const _);
+        let tp = table.as_ptr();
+        const G: usize = super::BLOCK / 16;
+        for o0 in (0..edges).step_by(super::BLOCK) {
+            let mut best = [[_mm512_set1_epi32(-1); G]; T];
+            let block = tp.add(o0 << K);
+            for c in 0..1usize << K {
+                let cv = _mm512_set1_epi32(c as i32);
+                for g in 0..G {
+                    let o = o0 + 16 * g;
+                    let v = _mm512_loadu_ps(block.add(c * super::BLOCK + 16 * g));
+                    let at = (c << (kr - K)) | (o >> K);
+                    for t in 0..T {
+                        let base = prev[t].add(at);
+                        let p = match K {
+                            1 => _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd(
+                                base as *const f64,
+                            ))),
+                            2 => _mm512_broadcast_f32x4(_mm_loadu_ps(base)),
+                            3 => _mm512_castpd_ps(_mm512_set1_pd(
+                                (base as *const f64).read_unaligned(),
+                            )),
+                            _ => _mm512_set1_ps(*base),
+                        };
+                        let d = _mm512_sub_ps(v, wv[t]);
+                        let cost = _mm512_castps_si512(_mm512_fmadd_ps(d, d, p));
+                        let tagged = _mm512_ternarylogic_epi32::<0xEA>(cost, keep, cv);
+                        best[t][g] = _mm512_min_epu32(best[t][g], tagged);
+                    }
+                }
+            }
+            for t in 0..T {
+                for (g, &best) in best[t].iter().enumerate() {
+                    let o = o0 + 16 * g;
+                    let best = if K >= 4 {
+                        best
+                    } else {
+                        _mm512_permutexvar_epi32(unshuffle, best)
+                    };
+                    _mm512_storeu_si512(next[t].add(o) as *mut _, _mm512_and_si512(best, keep));
+                    _mm_storeu_si128(
+                        bp[t].add(o) as *mut __m128i,
+                        _mm512_cvtepi32_epi8(_mm512_and_si512(best, tag)),
+                    );
+                }
+            }
+        }
+    }
+
+    /// Dispatches [`step_group_k`] for this K (1..=8).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+    pub(super) unsafe fn step_group(
+        k: u32,
+        table: &[f32],
+        prev: [*const f32; super::GROUP],
+        next: [*mut f32; super::GROUP],
+        bp: [*mut u8; super::GROUP],
+        w: [f32; super::GROUP],
+    ) {
+        match k {
+            1 => step_group_k::<1>(table, prev, next, bp, w),
+            2 => step_group_k::<2>(table, prev, next, bp, w),
+            3 => step_group_k::<3>(table, prev, next, bp, w),
+            4 => step_group_k::<4>(table, prev, next, bp, w),
+            5 => step_group_k::<5>(table, prev, next, bp, w),
+            6 => step_group_k::<6>(table, prev, next, bp, w),
+            7 => step_group_k::<7>(table, prev, next, bp, w),
+            _ => step_group_k::<8>(table, prev, next, bp, w),
+        }
+    }
+
     /// Dispatches to the kernel compiled for this K (1..=8).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
     pub(super) unsafe fn step(
@@ -511,6 +604,102 @@ pub fn viterbi_with(
     (states, stream_cost(&states, targets, cb))
 }
 
+/// Tiles the AVX-512 search runs together (see `avx512::step_group_k`).
+const GROUP: usize = 4;
+
+/// [`forward`] for [`GROUP`] tiles in step, on AVX-512.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+fn forward_group(
+    ss: &mut [Scratch; GROUP],
+    cb: Codebook,
+    targets: [&[f32; 256]; GROUP],
+    first: usize,
+    steps: usize,
+    start: [Option<usize>; GROUP],
+    keep_from: usize,
+) {
+    let k = ss[0].k;
+    let edges = 1usize << (16 - k);
+    for (s, start) in ss.iter_mut().zip(start) {
+        match start {
+            None => s.cost[..edges].fill(0.0),
+            Some(e) => {
+                s.cost[..edges].fill(f32::INFINITY);
+                s.cost[e] = 0.0;
+            }
+        }
+    }
+    let table = search_table(cb, k, BLOCK);
+    for i in 0..steps {
+        let w = std::array::from_fn(|t| targets[t][(first + i) & 255]);
+        let prev = std::array::from_fn(|t| ss[t].cost.as_ptr());
+        let next = std::array::from_fn(|t| ss[t].next.as_mut_ptr());
+        let bp = std::array::from_fn(|t| {
+            let s = &mut ss[t];
+            if i >= keep_from {
+                s.bp[i * edges..(i + 1) * edges].as_mut_ptr()
+            } else {
+                s.spare.as_mut_ptr()
+            }
+        });
+        // SAFETY: AVX-512 was checked by the caller; each tile's buffers are its own scratch's,
+        // sized by `Scratch::new` for this K (costs padded by 16), the table for this K.
+        unsafe { avx512::step_group(k, table, prev, next, bp, w) };
+        for s in ss.iter_mut() {
+            std::mem::swap(&mut s.cost, &mut s.next);
+        }
+    }
+}
+
+/// [`viterbi_with`] at [`Level::Avx512`] for [`GROUP`] tiles at once: the same states and costs.
+#[cfg(target_arch = "x86_64")]
+fn viterbi_group(
+    ss: &mut [Scratch; GROUP],
+    cb: Codebook,
+    targets: [&[f32; 256]; GROUP],
+) -> [([u16; 256], f32); GROUP] {
+    let edges = 1usize << (16 - ss[0].k);
+    let mut states = [[0u16; 256]; GROUP];
+    let p = PASS1;
+    forward_group(ss, cb, targets, p.first, p.steps, [None; GROUP], p.traced);
+    let wrap: [usize; GROUP] = std::array::from_fn(|t| {
+        let end = argmin(&ss[t].cost[..edges]);
+        backtrack(&ss[t], p.first, p.steps, end, p.traced, &mut states[t])
+    });
+    forward_group(ss, cb, targets, 0, 256, wrap.map(Some), 0);
+    std::array::from_fn(|t| {
+        backtrack(&ss[t], 0, 256, wrap[t], 0, &mut states[t]);
+        (states[t], stream_cost(&states[t], targets[t], cb))
+    })
+}
+
+/// [`open_cost_with`] at [`Level::Avx512`] for [`GROUP`] tiles at once.
+#[cfg(target_arch = "x86_64")]
+fn open_cost_group(
+    ss: &mut [Scratch; GROUP],
+    cb: Codebook,
+    targets: [&[f32; 256]; GROUP],
+) -> [f32; GROUP] {
+    let edges = 1usize << (16 - ss[0].k);
+    forward_group(ss, cb, targets, 0, 256, [None; GROUP], 256);
+    std::array::from_fn(|t| ss[t].cost[argmin(&ss[t].cost[..edges])])
+}
+
+/// Runs `f` with this thread's [`GROUP`] scratches for K, made once and kept.
+fn with_group_scratch<R>(k: u32, f: impl FnOnce(&mut [Scratch; GROUP]) -> R) -> R {
+    thread_local! {
+        static SCRATCH: std::cell::RefCell<Option<Box<[Scratch; GROUP]>>> = const { std::cell::RefCell::new(None) };
+    }
+    SCRATCH.with(|cell| {
+        let mut slot = cell.borrow_mut();
+        if slot.as_ref().is_none_or(|s| s[0].k != k) {
+            *slot = Some(Box::new(std::array::from_fn(|_| Scratch::new(k))));
+        }
+        f(slot.as_mut().unwrap())
+    })
+}
+
 /// A row-major tile (`[in 16][out 16]`) in trellis position order, as the search takes it.
 pub fn position_order(tile: &[f32; 256]) -> [f32; 256] {
     std::array::from_fn(|p| tile[POSITION_INDEX[p] as usize])
@@ -556,8 +745,19 @@ pub fn open_cost_with(level: Level, s: &mut Scratch, cb: Codebook, targets: &[f3
 pub fn open_costs(tiles: &[[f32; 256]], k: u32, cb: Codebook) -> Vec<f32> {
     let level = super::simd::best_level();
     tiles
-        .par_iter()
-        .map(|tile| with_scratch(k, |s| open_cost_with(level, s, cb, &position_order(tile))))
+        .par_chunks(GROUP)
+        .flat_map_iter(|chunk| {
+            let targets: Vec<[f32; 256]> = chunk.iter().map(position_order).collect();
+            #[cfg(target_arch = "x86_64")]
+            if level == Level::Avx512 && chunk.len() == GROUP {
+                let t = std::array::from_fn(|i| &targets[i]);
+                return with_group_scratch(k, |ss| open_cost_group(ss, cb, t)).to_vec();
+            }
+            targets
+                .iter()
+                .map(|t| with_scratch(k, |s| open_cost_with(level, s, cb, t)))
+                .collect()
+        })
         .collect()
 }
 
@@ -597,9 +797,25 @@ pub fn encode_tile_with(
 
 /// Encodes many tiles on the caller's rayon pool (one scratch per worker thread, kept).
 pub fn encode_tiles(tiles: &[[f32; 256]], k: u32, cb: Codebook) -> Vec<EncodedTile> {
+    let level = super::simd::best_level();
     tiles
-        .par_iter()
-        .map(|t| with_scratch(k, |s| encode_tile(t, k, cb, s)))
+        .par_chunks(GROUP)
+        .flat_map_iter(|chunk| {
+            #[cfg(target_arch = "x86_64")]
+            if level == Level::Avx512 && chunk.len() == GROUP {
+                let targets: Vec<[f32; 256]> = chunk.iter().map(position_order).collect();
+                let t = std::array::from_fn(|i| &targets[i]);
+                let found = with_group_scratch(k, |ss| viterbi_group(ss, cb, t));
+                return found
+                    .iter()
+                    .map(|(states, cost)| EncodedTile::from_states(states, *cost, k, cb))
+                    .collect::<Vec<_>>();
+            }
+            chunk
+                .iter()
+                .map(|t| with_scratch(k, |s| encode_tile_with(level, t, k, cb, s)))
+                .collect()
+        })
         .collect()
 }
 
