@@ -190,14 +190,8 @@ fn quantized_folder_loads_exactly_and_tracks_the_source() {
     let src = d.path().join("src");
     tiny_model(&src, true, 1.0);
     let cal = calib_file(d.path(), TEXT);
-    let calib = [
-        "--calibration",
-        &cal,
-        "--calib-rows",
-        "4",
-        "--calib-cols",
-        "64",
-    ];
+    // The short names of the calibration size (`--calib-rows`, `--calib-cols`).
+    let calib = ["--calibration", &cal, "--rows", "4", "--cols", "64"];
     let mut out = Vec::new();
     for bits in ["2", "4"] {
         let o = d.path().join(format!("q{bits}"));
