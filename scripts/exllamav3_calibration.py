@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """exllamav3 1.6.5's default calibration corpus as token rows for `trellm quantize --calibration`.
 
-    python3 scripts/exllamav3_calibration.py WHEEL MODEL_DIR OUT.safetensors [--rows 100] [--cols 2048]
+    python3 scripts/exllamav3_calibration.py WHEEL MODEL_DIR OUT.safetensors [--rows 250] [--cols 2048]
 
 WHEEL is exllamav3's wheel (`pip download --no-deps exllamav3==1.6.5`); its bundled texts
 (`exllamav3/conversion/standard_cal_data/*.utf8`) are read from the wheel at run time and never
@@ -46,7 +46,7 @@ def main():
     ap.add_argument("wheel")
     ap.add_argument("model_dir")
     ap.add_argument("out")
-    ap.add_argument("--rows", type=int, default=100)
+    ap.add_argument("--rows", type=int, default=250)
     ap.add_argument("--cols", type=int, default=2048)
     a = ap.parse_args()
 

@@ -28,7 +28,7 @@ EOF
 # The source as an f32 Hugging Face folder (the tokenizer the corpus script reads).
 [ -d src/.source ] || "$bin" quantize --model smollm2-135m-instruct --out src --bits 4 --calib-rows 0 \
     --stop-after-layers 1 -q
-python3 "$repo/scripts/exllamav3_calibration.py" "$wheel" src/.source cal.safetensors --rows 100
+python3 "$repo/scripts/exllamav3_calibration.py" "$wheel" src/.source cal.safetensors --rows 250
 [ -f base.kld ] || "$bin" eval --model smollm2-135m-instruct --file eval.txt --chunks 40 --save-logits base.kld
 for b in "${bits[@]}"; do
     /usr/bin/time -v "$bin" quantize --model src/.source --out "exl3-$b" --bits "$b" \

@@ -34,9 +34,9 @@ pub struct QuantizeArgs {
     /// 2892 split on \n; evaluate on the rest].
     #[arg(long)]
     pub calibration: Option<PathBuf>,
-    /// Calibration rows (0: no calibration, every H the identity). The default text fills 64
-    /// rows of 2048; exllamav3's default asks for 250.
-    #[arg(long, visible_alias = "rows", default_value_t = 100)]
+    /// Calibration rows (0: no calibration, every H the identity), the first of the file's:
+    /// exllamav3's default (the default text fills only 64 rows of 2048).
+    #[arg(long, visible_alias = "rows", default_value_t = 250)]
     pub calib_rows: usize,
     /// Tokens per calibration row (at most the model's context). exllamav3's default.
     #[arg(long, visible_alias = "cols", default_value_t = 2048)]
