@@ -78,6 +78,18 @@ impl Scratch {
             spare: vec![0; edges],
         }
     }
+
+    /// Costs before a pass: every edge free (`None`), or only `start`.
+    fn start_costs(&mut self, start: Option<usize>) {
+        let edges = 1usize << (16 - self.k);
+        match start {
+            None => self.cost[..edges].fill(0.0),
+            Some(e) => {
+                self.cost[..edges].fill(f32::INFINITY);
+                self.cost[e] = 0.0;
+            }
+        }
+    }
 }
 
 /// f32s on 64-byte cache lines, so the step's vector loads and stores of 16 never straddle two
@@ -530,13 +542,7 @@ fn forward(
 ) {
     let k = s.k;
     let edges = 1usize << (16 - k);
-    match start {
-        None => s.cost[..edges].fill(0.0),
-        Some(e) => {
-            s.cost[..edges].fill(f32::INFINITY);
-            s.cost[e] = 0.0;
-        }
-    }
+    s.start_costs(start);
     for i in 0..steps {
         let w = targets[(first + i) & 255];
         let bp = if i >= keep_from {
@@ -622,13 +628,7 @@ fn forward_group(
     let k = ss[0].k;
     let edges = 1usize << (16 - k);
     for (s, start) in ss.iter_mut().zip(start) {
-        match start {
-            None => s.cost[..edges].fill(0.0),
-            Some(e) => {
-                s.cost[..edges].fill(f32::INFINITY);
-                s.cost[e] = 0.0;
-            }
-        }
+        s.start_costs(start);
     }
     let table = search_table(cb, k, BLOCK);
     for i in 0..steps {
