@@ -545,7 +545,7 @@ fn quantize_hf(
     let mut last_save = Instant::now();
     let mut layers_done = 0;
     // The o / down inputs a half keeps (one buffer a calibration row), reused from half to half:
-    // fresh buffers each time faulted in about 1 GB of pages a layer (9% of the run's time).
+    // fresh buffers each time faulted in about 1 GB of pages a layer.
     let mut kept: Vec<Vec<f32>> = Vec::new();
     for (l, layer_bits) in bit_plan.iter().enumerate().skip(start) {
         let tl = Instant::now();
