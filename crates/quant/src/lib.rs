@@ -5,6 +5,8 @@
 
 pub mod exl3;
 pub mod ggml;
+#[cfg(target_arch = "x86_64")]
+mod x86;
 
 pub use ggml::dot::{dot_block, dot_block_to, dot_rows};
 pub use ggml::{dequantize, dequantize_row, GgmlType, QuantError};

@@ -384,3 +384,85 @@ fn short_activations_panic() {
 fn wrong_out_len_panics() {
     dot_block(GgmlType::Q8_0, &[0; 68], 2, &[0.0; 32], 1, &mut [0.0]);
 }
+
+/// The Q8_0 int16 path: the SIMD kernel equals its scalar twin bit for bit (whole 8-row tiles,
+/// remainder rows, 1..=17 activation rows, a written-in-place output with a wider stride), and
+/// both stay within the activations' int16 rounding of the exact f64 dot.
+#[test]
+fn q8_0_int16_matches_its_twin_and_the_reference() {
+    use trellm_quant::ggml::dot::{
+        dot_q8_0_int16_scalar, dot_q8_0_int16_to, q8_0_int16_available, Int16Acts,
+    };
+    let mut rng = Rng(0x51);
+    let ty = GgmlType::Q8_0;
+    for (m, cols) in [(8, 32), (16, 640), (21, 96), (5, 64), (40, 2048)] {
+        let w = rows(ty, &mut rng, m, cols);
+        for n in [1, 2, 3, 7, 8, 9, 17] {
+            let mut x = activations(&mut rng, n * cols);
+            if n == 3 {
+                // A block of zeros and one of tiny values quantize to nothing.
+                x[..32].fill(0.0);
+                x[cols..cols + 32].iter_mut().for_each(|v| *v *= 1e-33);
+            }
+            let q = Int16Acts::new(&x, n, cols);
+            let mut twin = vec![0f32; m * n];
+            dot_q8_0_int16_scalar(&w, m, &q, &mut twin);
+            let want = reference(ty, &w, m, &x, n);
+            let mut wf = vec![0f32; m * cols];
+            dequantize(ty, &w, &mut wf).unwrap();
+            for i in 0..m {
+                for t in 0..n {
+                    let (v, abs) = want[i * n + t];
+                    // Each activation is off by at most half a step, 1/65534 of its block's
+                    // largest magnitude; then f32 sums.
+                    let xt = &x[t * cols..(t + 1) * cols];
+                    let bound: f64 = (0..cols)
+                        .map(|c| {
+                            let b = c / 32 * 32;
+                            let amax = xt[b..b + 32].iter().fold(0f32, |a, v| a.max(v.abs()));
+                            f64::from(wf[i * cols + c].abs()) * f64::from(amax) / 65534.0
+                        })
+                        .sum();
+                    let err = (f64::from(twin[t * m + i]) - v).abs();
+                    assert!(
+                        err <= bound * 1.001 + 1e-6 * abs + 1e-28,
+                        "m {m} cols {cols} n {n} row {i} t {t}: {} vs {v} (bound {bound})",
+                        twin[t * m + i]
+                    );
+                }
+            }
+            if !q8_0_int16_available() {
+                continue;
+            }
+            let ld = m + 3;
+            let mut got = vec![f32::NAN; n * ld];
+            // SAFETY: the kernel is available; got holds n rows of ld >= m values.
+            unsafe { dot_q8_0_int16_to(&w, m, &q, got.as_mut_ptr(), ld) };
+            for t in 0..n {
+                for i in 0..m {
+                    assert_eq!(
+                        got[t * ld + i].to_bits(),
+                        twin[t * m + i].to_bits(),
+                        "m {m} cols {cols} n {n} row {i} t {t}"
+                    );
+                }
+                assert!(got[t * ld + m..(t + 1) * ld].iter().all(|v| v.is_nan()));
+            }
+        }
+    }
+}
+
+/// Non-finite activations give non-finite results rather than quietly dropping the block.
+#[test]
+fn q8_0_int16_keeps_non_finite_activations() {
+    use trellm_quant::ggml::dot::{dot_q8_0_int16_scalar, Int16Acts};
+    let mut rng = Rng(7);
+    let w = rows(GgmlType::Q8_0, &mut rng, 2, 64);
+    for bad in [f32::NAN, f32::INFINITY] {
+        let mut x = activations(&mut rng, 64);
+        x[40] = bad;
+        let mut out = [0f32; 2];
+        dot_q8_0_int16_scalar(&w, 2, &Int16Acts::new(&x, 1, 64), &mut out);
+        assert!(out.iter().all(|v| !v.is_finite()), "{bad}: {out:?}");
+    }
+}

@@ -17,6 +17,7 @@ use super::{tables, Order, PairIdx, RateTables};
 use crate::exl3::codebook::{Codebook, MUL1_A, MUL1_B, MUL1_MUL};
 use crate::exl3::trellis::state;
 use crate::exl3::Exl3Shape;
+use crate::x86::dpwssd;
 
 /// The hash `state * MUL1_MUL` of a row pair's 32 states ([`Order::Interleave`]: column `c` of
 /// both rows in dword `c`), as its low and high 16-bit halves. The states are cut with the
@@ -263,7 +264,7 @@ unsafe fn columns<const BIG: bool, const M: usize, const S: usize, const CG: usi
                 let s = byte_sums(lo, hi);
                 for m in 0..M {
                     let xv = _mm512_set1_epi32(*xk.add(rp * M + m) as i32);
-                    ai[m][rp % S] = _mm512_dpwssd_epi32(ai[m][rp % S], s, xv);
+                    ai[m][rp % S] = dpwssd(ai[m][rp % S], s, xv);
                 }
             }
             for m in 0..M {
