@@ -8,9 +8,7 @@
 use std::time::Instant;
 
 use half::f16;
-use trellm_quant::ggml::dot::{
-    available_levels, dot_block_with, dot_q8_0_int16_to, q8_0_int16_available, Int16Acts,
-};
+use trellm_quant::ggml::dot::{available_levels, dot_block_with};
 use trellm_quant::ggml::{dequantize_row, GgmlType};
 
 struct Case {
@@ -337,16 +335,6 @@ fn main() {
                     dot_block_with(level, case.ty, w, m, x, n, &mut o)
                 }));
             }
-            // Q8_0 also on int16 activations (quantized inside the call, as a matmul does).
-            let int16 = case.ty == GgmlType::Q8_0 && q8_0_int16_available();
-            if int16 {
-                let mut o = vec![0f32; m * n];
-                fs.push(Box::new(move || {
-                    let q = Int16Acts::new(x, n, cols);
-                    // SAFETY: available (checked); o holds n rows of m values.
-                    unsafe { dot_q8_0_int16_to(w, m, &q, o.as_mut_ptr(), m) }
-                }));
-            }
             if streaming {
                 fs.push(Box::new(move || read_all(w)));
             }
@@ -369,11 +357,8 @@ fn main() {
             for (&level, &secs) in levels.iter().zip(&secs[1..]) {
                 row(level.name(), secs);
             }
-            if int16 {
-                row("int16", secs[levels.len() + 1]);
-            }
             if streaming {
-                let read = secs[levels.len() + 1 + usize::from(int16)];
+                let read = secs[levels.len() + 1];
                 println!(
                     "{:<24} {:>8} {:>2} {:>10.1} {:>9.2}  (plain read: {:.1} GB/s at {per:.4} B/weight; \
                      best path reaches {:.0}% of it)",

@@ -1,4 +1,4 @@
-//! x86-64 helpers shared by the integer kernels.
+//! x86-64 helpers for the integer kernels.
 
 use core::arch::x86_64::*;
 

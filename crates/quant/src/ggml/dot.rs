@@ -19,13 +19,10 @@ use std::sync::OnceLock;
 
 use super::GgmlType;
 
-pub use q8_int16::{dot_q8_0_int16_scalar, dot_q8_0_int16_to, q8_0_int16_available, Int16Acts};
-
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
-mod q8_int16;
 mod scalar;
 #[cfg(target_arch = "x86_64")]
 mod unpack;
