@@ -384,3 +384,38 @@ fn short_activations_panic() {
 fn wrong_out_len_panics() {
     dot_block(GgmlType::Q8_0, &[0; 68], 2, &[0.0; 32], 1, &mut [0.0]);
 }
+
+/// A row's result does not depend on how many weight or activation rows share its call: every
+/// level gives, bit for bit, what the same weight row and activation row give alone (so a
+/// batch's decode rows get exactly what each sequence gets by itself).
+#[test]
+fn results_do_not_depend_on_the_rows_beside_them() {
+    let mut rng = Rng(0xBA7C);
+    for level in available_levels() {
+        for ty in TYPES {
+            let cols = column_counts(ty)[2];
+            let (m, n) = (7, 19);
+            let w = rows(ty, &mut rng, m, cols);
+            let x = activations(&mut rng, n * cols);
+            let mut all = vec![f32::NAN; m * n];
+            dot_block_with(level, ty, &w, m, &x, n, &mut all);
+            let rb = w.len() / m;
+            for i in 0..m {
+                for t in 0..n {
+                    let mut one = [f32::NAN];
+                    let (wi, xt) = (&w[i * rb..(i + 1) * rb], &x[t * cols..(t + 1) * cols]);
+                    dot_block_with(level, ty, wi, 1, xt, 1, &mut one);
+                    assert_eq!(
+                        one[0].to_bits(),
+                        all[i * n + t].to_bits(),
+                        "{} {}: row {i} activation {t}: {} alone, {} among {m} x {n}",
+                        level.name(),
+                        ty.name(),
+                        one[0],
+                        all[i * n + t]
+                    );
+                }
+            }
+        }
+    }
+}

@@ -25,15 +25,6 @@ trait Fmt {
     fn off(c: usize, k: usize) -> usize {
         16 * c + 8 * k
     }
-    const DEFER: bool = false;
-    #[inline(always)]
-    unsafe fn raw(b: *const u8, p: &Self::Prep, c: usize) -> [__m256; 2] {
-        Self::chunk(b, p, c)
-    }
-    #[inline(always)]
-    unsafe fn scale(_p: &Self::Prep, _c: usize) -> __m256 {
-        _mm256_set1_ps(1.0)
-    }
 }
 
 #[inline(always)]
@@ -178,16 +169,6 @@ impl Fmt for Q80 {
             _mm256_mul_ps(i8x8_f32(q), *d),
             _mm256_mul_ps(i8x8_f32(q.add(8)), *d),
         ]
-    }
-    const DEFER: bool = true;
-    #[inline(always)]
-    unsafe fn raw(b: *const u8, _d: &__m256, c: usize) -> [__m256; 2] {
-        let q = b.add(2 + 16 * c);
-        [i8x8_f32(q), i8x8_f32(q.add(8))]
-    }
-    #[inline(always)]
-    unsafe fn scale(d: &__m256, _c: usize) -> __m256 {
-        *d
     }
 }
 
@@ -428,18 +409,9 @@ impl Fmt for Q8k {
     }
     #[inline(always)]
     unsafe fn chunk(b: *const u8, d: &__m256, c: usize) -> [__m256; 2] {
-        let [q0, q1] = Self::raw(b, d, c);
-        [_mm256_mul_ps(q0, *d), _mm256_mul_ps(q1, *d)]
-    }
-    const DEFER: bool = true;
-    #[inline(always)]
-    unsafe fn raw(b: *const u8, _d: &__m256, c: usize) -> [__m256; 2] {
         let q = b.add(4 + 16 * c);
-        [i8x8_f32(q), i8x8_f32(q.add(8))]
-    }
-    #[inline(always)]
-    unsafe fn scale(d: &__m256, _c: usize) -> __m256 {
-        *d
+        let [q0, q1] = [i8x8_f32(q), i8x8_f32(q.add(8))];
+        [_mm256_mul_ps(q0, *d), _mm256_mul_ps(q1, *d)]
     }
 }
 
@@ -550,7 +522,7 @@ const SC: usize = 2 * GROUP + 8;
 /// `MR` weight rows against `NR` activation rows; see the AVX-512 `tile`.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn tile<F: Fmt, const MR: usize, const NR: usize, const KA: usize>(
+unsafe fn tile<F: Fmt, const MR: usize, const NR: usize>(
     w: *const u8,
     rb: usize,
     nb: usize,
@@ -560,7 +532,7 @@ unsafe fn tile<F: Fmt, const MR: usize, const NR: usize, const KA: usize>(
     oi: usize,
     ot: usize,
 ) {
-    let mut acc = [[[_mm256_setzero_ps(); KA]; NR]; MR];
+    let mut acc = [[_mm256_setzero_ps(); NR]; MR];
     let mut sc = core::mem::MaybeUninit::<[[f32; SC]; MR]>::uninit();
     let sc = sc.as_mut_ptr().cast::<f32>();
     let mut g0 = 0;
@@ -582,17 +554,6 @@ unsafe fn tile<F: Fmt, const MR: usize, const NR: usize, const KA: usize>(
                 p[i] = F::prep(wb.add(i * rb), sc.add(i * SC + g * F::H));
             }
             for c in 0..F::CH {
-                if F::DEFER && NR == 1 {
-                    let x0 = _mm256_loadu_ps(xb.add(F::off(c, 0)));
-                    let x1 = _mm256_loadu_ps(xb.add(F::off(c, 1)));
-                    for i in 0..MR {
-                        let q = F::raw(wb.add(i * rb), &p[i], c);
-                        let sum = _mm256_fmadd_ps(q[1], x1, _mm256_mul_ps(q[0], x0));
-                        let k = c % KA;
-                        acc[i][0][k] = _mm256_fmadd_ps(F::scale(&p[i], c), sum, acc[i][0][k]);
-                    }
-                    continue;
-                }
                 let mut wv = [[_mm256_setzero_ps(); 2]; MR];
                 for i in 0..MR {
                     wv[i] = F::chunk(wb.add(i * rb), &p[i], c);
@@ -602,8 +563,8 @@ unsafe fn tile<F: Fmt, const MR: usize, const NR: usize, const KA: usize>(
                     let x0 = _mm256_loadu_ps(xt.add(F::off(c, 0)));
                     let x1 = _mm256_loadu_ps(xt.add(F::off(c, 1)));
                     for i in 0..MR {
-                        acc[i][t][0] = _mm256_fmadd_ps(wv[i][0], x0, acc[i][t][0]);
-                        acc[i][t][KA - 1] = _mm256_fmadd_ps(wv[i][1], x1, acc[i][t][KA - 1]);
+                        acc[i][t] = _mm256_fmadd_ps(wv[i][0], x0, acc[i][t]);
+                        acc[i][t] = _mm256_fmadd_ps(wv[i][1], x1, acc[i][t]);
                     }
                 }
             }
@@ -612,26 +573,23 @@ unsafe fn tile<F: Fmt, const MR: usize, const NR: usize, const KA: usize>(
     }
     for i in 0..MR {
         for t in 0..NR {
-            let mut s = acc[i][t][0];
-            for k in 1..KA {
-                s = _mm256_add_ps(s, acc[i][t][k]);
-            }
-            *out.add(i * oi + t * ot) = hsum(s);
+            *out.add(i * oi + t * ot) = hsum(acc[i][t]);
         }
     }
 }
 
 /// Runs the whole problem in register tiles; returns how many leading columns it covered.
 ///
-/// With 16 registers: two weight rows with up to four activation rows (at most 8 accumulators);
-/// four weight rows spill even for one activation row.
+/// With 16 registers: four weight rows for one activation row (four independent FMA chains, as
+/// many as the 8 weight and 2 activation registers leave room for), two weight rows with up to
+/// four activation rows (at most 8 accumulators).
 unsafe fn run_fmt<F: Fmt>(s: &Shape, w: *const u8, x: *const f32, out: *mut f32) -> usize {
     let nb = s.cols / F::BL;
     super::schedule(
         s.m,
         s.n,
         4,
-        |_| 2,
+        |nr| if nr == 1 { 4 } else { 2 },
         |i0, mr, t0, nr| {
             let (wp, xp, op) = (
                 w.add(i0 * s.row_bytes),
@@ -639,19 +597,20 @@ unsafe fn run_fmt<F: Fmt>(s: &Shape, w: *const u8, x: *const f32, out: *mut f32)
                 out.add(i0 * s.oi + t0 * s.ot),
             );
             macro_rules! go {
-                ($mr:literal, $nr:literal, $ka:literal) => {
-                    tile::<F, $mr, $nr, $ka>(wp, s.row_bytes, nb, xp, s.cols, op, s.oi, s.ot)
+                ($mr:literal, $nr:literal) => {
+                    tile::<F, $mr, $nr>(wp, s.row_bytes, nb, xp, s.cols, op, s.oi, s.ot)
                 };
             }
             match (mr, nr) {
-                (2, 1) => go!(2, 1, 2),
-                (2, 2) => go!(2, 2, 2),
-                (2, 3) => go!(2, 3, 1),
-                (2, 4) => go!(2, 4, 1),
-                (1, 1) => go!(1, 1, 2),
-                (1, 2) => go!(1, 2, 2),
-                (1, 3) => go!(1, 3, 1),
-                (1, 4) => go!(1, 4, 1),
+                (4, 1) => go!(4, 1),
+                (2, 1) => go!(2, 1),
+                (2, 3) => go!(2, 3),
+                (2, 4) => go!(2, 4),
+                (2, 2) => go!(2, 2),
+                (1, 1) => go!(1, 1),
+                (1, 2) => go!(1, 2),
+                (1, 3) => go!(1, 3),
+                (1, 4) => go!(1, 4),
                 _ => unreachable!("schedule yields mr <= rows_for(nr), nr ∈ 1..=4"),
             }
         },

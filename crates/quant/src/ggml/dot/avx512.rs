@@ -33,18 +33,6 @@ trait Fmt {
     fn off(c: usize, k: usize) -> usize {
         32 * c + 16 * k
     }
-    /// Formats with one scale per chunk may set this and provide `raw` (unscaled values) and
-    /// `scale`: single-activation tiles then scale the chunk's partial sum instead of each
-    /// vector, one multiply fewer per chunk.
-    const DEFER: bool = false;
-    #[inline(always)]
-    unsafe fn raw(b: *const u8, p: &Self::Prep, c: usize) -> [__m512; 2] {
-        Self::chunk(b, p, c)
-    }
-    #[inline(always)]
-    unsafe fn scale(_p: &Self::Prep, _c: usize) -> __m512 {
-        _mm512_set1_ps(1.0)
-    }
 }
 
 #[inline(always)]
@@ -172,15 +160,6 @@ impl Fmt for Q80 {
             _mm512_mul_ps(i8x16_f32(b.add(2)), *d),
             _mm512_mul_ps(i8x16_f32(b.add(18)), *d),
         ]
-    }
-    const DEFER: bool = true;
-    #[inline(always)]
-    unsafe fn raw(b: *const u8, _d: &__m512, _c: usize) -> [__m512; 2] {
-        [i8x16_f32(b.add(2)), i8x16_f32(b.add(18))]
-    }
-    #[inline(always)]
-    unsafe fn scale(d: &__m512, _c: usize) -> __m512 {
-        *d
     }
 }
 
@@ -391,18 +370,9 @@ impl Fmt for Q8k {
     }
     #[inline(always)]
     unsafe fn chunk(b: *const u8, d: &__m512, c: usize) -> [__m512; 2] {
-        let [q0, q1] = Self::raw(b, d, c);
-        [_mm512_mul_ps(q0, *d), _mm512_mul_ps(q1, *d)]
-    }
-    const DEFER: bool = true;
-    #[inline(always)]
-    unsafe fn raw(b: *const u8, _d: &__m512, c: usize) -> [__m512; 2] {
         let q = b.add(4 + 32 * c);
-        [i8x16_f32(q), i8x16_f32(q.add(16))]
-    }
-    #[inline(always)]
-    unsafe fn scale(d: &__m512, _c: usize) -> __m512 {
-        *d
+        let [q0, q1] = [i8x16_f32(q), i8x16_f32(q.add(16))];
+        [_mm512_mul_ps(q0, *d), _mm512_mul_ps(q1, *d)]
     }
 }
 
@@ -540,11 +510,12 @@ const SC: usize = 2 * GROUP + 8;
 
 /// `MR` weight rows (stride `rb` bytes, `nb` blocks each) against `NR` activation rows (stride
 /// `cols`); writes `out[i * oi + t * ot]`. Each chunk is decoded once for all `NR` rows and each
-/// activation load serves all `MR` rows. `KA` accumulators per dot: 2 when the tile alone has
-/// too few independent FMA chains to hide their latency.
+/// activation load serves all `MR` rows. Every dot is one accumulator taking the chunk's two
+/// FMAs in order, whatever the tile's shape: a row's result never depends on how many rows
+/// share its tile (a batch's decode rows get exactly what each gets alone).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn tile<F: Fmt, const MR: usize, const NR: usize, const KA: usize>(
+unsafe fn tile<F: Fmt, const MR: usize, const NR: usize>(
     w: *const u8,
     rb: usize,
     nb: usize,
@@ -554,7 +525,7 @@ unsafe fn tile<F: Fmt, const MR: usize, const NR: usize, const KA: usize>(
     oi: usize,
     ot: usize,
 ) {
-    let mut acc = [[[_mm512_setzero_ps(); KA]; NR]; MR];
+    let mut acc = [[_mm512_setzero_ps(); NR]; MR];
     // Per-row converted scales of the current group; written before being read, so left
     // uninitialized (zeroing it would cost as much as a short row's work).
     let mut sc = core::mem::MaybeUninit::<[[f32; SC]; MR]>::uninit();
@@ -578,16 +549,6 @@ unsafe fn tile<F: Fmt, const MR: usize, const NR: usize, const KA: usize>(
                 p[i] = F::prep(wb.add(i * rb), sc.add(i * SC + g * F::H));
             }
             for c in 0..F::CH {
-                if F::DEFER && NR == 1 {
-                    let x0 = _mm512_loadu_ps(xb.add(F::off(c, 0)));
-                    let x1 = _mm512_loadu_ps(xb.add(F::off(c, 1)));
-                    for i in 0..MR {
-                        let q = F::raw(wb.add(i * rb), &p[i], c);
-                        let sum = _mm512_fmadd_ps(q[1], x1, _mm512_mul_ps(q[0], x0));
-                        acc[i][0][0] = _mm512_fmadd_ps(F::scale(&p[i], c), sum, acc[i][0][0]);
-                    }
-                    continue;
-                }
                 let mut wv = [[_mm512_setzero_ps(); 2]; MR];
                 for i in 0..MR {
                     wv[i] = F::chunk(wb.add(i * rb), &p[i], c);
@@ -597,8 +558,8 @@ unsafe fn tile<F: Fmt, const MR: usize, const NR: usize, const KA: usize>(
                     let x0 = _mm512_loadu_ps(xt.add(F::off(c, 0)));
                     let x1 = _mm512_loadu_ps(xt.add(F::off(c, 1)));
                     for i in 0..MR {
-                        acc[i][t][0] = _mm512_fmadd_ps(wv[i][0], x0, acc[i][t][0]);
-                        acc[i][t][KA - 1] = _mm512_fmadd_ps(wv[i][1], x1, acc[i][t][KA - 1]);
+                        acc[i][t] = _mm512_fmadd_ps(wv[i][0], x0, acc[i][t]);
+                        acc[i][t] = _mm512_fmadd_ps(wv[i][1], x1, acc[i][t]);
                     }
                 }
             }
@@ -607,10 +568,7 @@ unsafe fn tile<F: Fmt, const MR: usize, const NR: usize, const KA: usize>(
     }
     for i in 0..MR {
         for t in 0..NR {
-            let mut s = acc[i][t][0];
-            for k in 1..KA {
-                s = _mm512_add_ps(s, acc[i][t][k]);
-            }
+            let s = acc[i][t];
             *out.add(i * oi + t * ot) = _mm512_reduce_add_ps(s);
         }
     }
@@ -619,9 +577,8 @@ unsafe fn tile<F: Fmt, const MR: usize, const NR: usize, const KA: usize>(
 /// Runs the whole problem in register tiles; returns how many leading columns it covered (all of
 /// them for block formats, whole 32-column steps for float rows).
 ///
-/// Tiles: one activation row with four weight rows (decode-bound: the activation loads are
-/// shared); up to four activation rows with four weight rows; five to eight activation rows with
-/// two weight rows (16 accumulators either way, of 32 registers).
+/// Tiles: up to four activation rows with four weight rows; five to eight activation rows with
+/// two weight rows (at most 16 accumulators, of 32 registers).
 unsafe fn run_fmt<F: Fmt>(s: &Shape, w: *const u8, x: *const f32, out: *mut f32) -> usize {
     let nb = s.cols / F::BL;
     let rows_for = |nr: usize| if nr <= 4 { 4 } else { 2 };
@@ -632,32 +589,31 @@ unsafe fn run_fmt<F: Fmt>(s: &Shape, w: *const u8, x: *const f32, out: *mut f32)
             out.add(i0 * s.oi + t0 * s.ot),
         );
         macro_rules! go {
-            ($mr:literal, $nr:literal, $ka:literal) => {
-                tile::<F, $mr, $nr, $ka>(wp, s.row_bytes, nb, xp, s.cols, op, s.oi, s.ot)
+            ($mr:literal, $nr:literal) => {
+                tile::<F, $mr, $nr>(wp, s.row_bytes, nb, xp, s.cols, op, s.oi, s.ot)
             };
         }
-        // KA = 2 where the tile has too few accumulators to cover the FMA latency.
         match (mr, nr) {
-            (4, 1) => go!(4, 1, 2),
-            (4, 2) => go!(4, 2, 1),
-            (4, 3) => go!(4, 3, 1),
-            (4, 4) => go!(4, 4, 1),
-            (2, 1) => go!(2, 1, 2),
-            (2, 2) => go!(2, 2, 2),
-            (2, 3) => go!(2, 3, 1),
-            (2, 4) => go!(2, 4, 1),
-            (2, 5) => go!(2, 5, 1),
-            (2, 6) => go!(2, 6, 1),
-            (2, 7) => go!(2, 7, 1),
-            (2, 8) => go!(2, 8, 1),
-            (1, 1) => go!(1, 1, 2),
-            (1, 2) => go!(1, 2, 2),
-            (1, 3) => go!(1, 3, 1),
-            (1, 4) => go!(1, 4, 1),
-            (1, 5) => go!(1, 5, 1),
-            (1, 6) => go!(1, 6, 1),
-            (1, 7) => go!(1, 7, 1),
-            (1, 8) => go!(1, 8, 1),
+            (4, 1) => go!(4, 1),
+            (4, 2) => go!(4, 2),
+            (4, 3) => go!(4, 3),
+            (4, 4) => go!(4, 4),
+            (2, 1) => go!(2, 1),
+            (2, 2) => go!(2, 2),
+            (2, 3) => go!(2, 3),
+            (2, 4) => go!(2, 4),
+            (2, 5) => go!(2, 5),
+            (2, 6) => go!(2, 6),
+            (2, 7) => go!(2, 7),
+            (2, 8) => go!(2, 8),
+            (1, 1) => go!(1, 1),
+            (1, 2) => go!(1, 2),
+            (1, 3) => go!(1, 3),
+            (1, 4) => go!(1, 4),
+            (1, 5) => go!(1, 5),
+            (1, 6) => go!(1, 6),
+            (1, 7) => go!(1, 7),
+            (1, 8) => go!(1, 8),
             _ => unreachable!("schedule yields mr ∈ {{1, 2, 4}}, nr ∈ 1..=8"),
         }
     });
