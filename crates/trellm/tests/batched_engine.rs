@@ -1,4 +1,5 @@
-//! Many sequences through one engine: each produces what it produces alone. Sequences with
+//! Many sequences through one engine: each produces what it produces alone, bit for bit (with the
+//! prefix cache, whose reuse changes the chunk shapes: within 1e-4). Sequences with
 //! different prompts, lengths and samplers join and leave at different steps; prompts are cut
 //! into prefill chunks that run beside other sequences' decode tokens. Runs on tiny fixtures of
 //! several families (sliding windows, NoPE layers, dynamic RoPE, soft-capping, fused phi3
@@ -82,7 +83,8 @@ fn run(
     out
 }
 
-fn assert_same(name: &str, i: usize, alone: &Outcome, batched: &Outcome) -> f32 {
+/// Same ids and end; logprobs within `tol` (0: bit for bit).
+fn assert_same(name: &str, i: usize, alone: &Outcome, batched: &Outcome, tol: f32) -> f32 {
     assert_eq!(alone.ids, batched.ids, "{name}: request {i}: ids differ");
     assert_eq!(alone.reason, batched.reason, "{name}: request {i}");
     let mut worst = 0.0f32;
@@ -98,7 +100,7 @@ fn assert_same(name: &str, i: usize, alone: &Outcome, batched: &Outcome) -> f32 
             let d = (x.1 - y.1).abs();
             worst = worst.max(d);
             assert!(
-                d <= 1e-4,
+                d <= tol,
                 "{name}: request {i}: logprob differs by {d:e} ({x:?} vs {y:?})"
             );
         }
@@ -160,7 +162,8 @@ fn check_family(name: &str, b: usize) {
     let together = run(&model, &reqs, &join, b, 8);
     let mut worst = 0.0f32;
     for i in 0..b {
-        worst = worst.max(assert_same(name, i, &alone[i], &together[i]));
+        // The CPU's kernels give each row the same arithmetic whatever runs beside it.
+        worst = worst.max(assert_same(name, i, &alone[i], &together[i], 0.0));
     }
     eprintln!("{name}: B = {b}: batched vs alone max |dlogprob| {worst:e}");
 }
@@ -191,7 +194,7 @@ fn a_slot_limit_queues_requests_without_changing_them() {
     let wide = run(&m.model, &reqs, &join, 8, 8);
     let narrow = run(&m.model, &reqs, &join, 3, 5);
     for i in 0..8 {
-        assert_same("qwen2 max_seqs 3", i, &wide[i], &narrow[i]);
+        assert_same("qwen2 max_seqs 3", i, &wide[i], &narrow[i], 0.0);
     }
 }
 
@@ -340,7 +343,7 @@ fn cancel_frees_blocks_and_others_continue() {
         }
     }
     assert_eq!(cancelled, 2);
-    assert_same("mistral after cancels", 2, &alone, &last);
+    assert_same("mistral after cancels", 2, &alone, &last, 0.0);
     let (free, total) = e.kv_blocks();
     assert_eq!(free, total);
 }
@@ -364,7 +367,7 @@ fn default_model_batch_matches_alone() {
     let join: Vec<usize> = (0..8).map(|i| i % 3).collect();
     let together = run(&m.model, &reqs, &join, 8, 512);
     for i in 0..8 {
-        assert_same("smollm2", i, &alone[i], &together[i]);
+        assert_same("smollm2", i, &alone[i], &together[i], 0.0);
     }
 }
 
@@ -443,7 +446,7 @@ fn the_prefix_cache_reuses_blocks_and_keeps_the_results() {
             assert_eq!(cached, expect, "{name}: request {i}: cached tokens");
             // The rest of the prompt runs in other chunk shapes than without the cache (and a
             // cached reply was decoded a token at a time): rounding moves, ids do not.
-            assert_same(name, i, &cold, &warm);
+            assert_same(name, i, &cold, &warm, 1e-4);
         }
         let (free, total) = e.kv_blocks();
         assert_eq!(free, total, "cached blocks nobody uses count as free");
