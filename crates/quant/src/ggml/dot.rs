@@ -7,9 +7,9 @@
 //! same single rounding as the reference. The bit-packed and grid formats (Q2_K, Q3_K, Q5_K and
 //! the 2- and 3-bit i-quants) are first unpacked per block into signed bytes and sub-block scales
 //! (`unpack`). Products and sums are f32, in a different order than a plain sequential dot
-//! (several lanes and accumulators; Q8_0 and Q8_K with one activation row scale each block's or
-//! chunk's partial sum instead of each weight), so results match an exact dot to f32 rounding:
-//! below 1e-6 of `Σ|w·x|` in the tests, for rows of up to a few thousand values.
+//! (several lanes), so results match an exact dot to f32 rounding: below 1e-6 of `Σ|w·x|` in the
+//! tests, for rows of up to a few thousand values. The order is the same whatever the call's
+//! numbers of weight and activation rows: a row's result is bit for bit what it is alone.
 //!
 //! Paths: AVX-512 (F/BW/VL, with FMA and F16C), AVX2 (with FMA and F16C), and a portable scalar
 //! path (the only one off x86-64). The best available one is detected once; [`dot_block_with`]
