@@ -410,8 +410,10 @@ impl Fmt for Q8k {
     #[inline(always)]
     unsafe fn chunk(b: *const u8, d: &__m256, c: usize) -> [__m256; 2] {
         let q = b.add(4 + 16 * c);
-        let [q0, q1] = [i8x8_f32(q), i8x8_f32(q.add(8))];
-        [_mm256_mul_ps(q0, *d), _mm256_mul_ps(q1, *d)]
+        [
+            _mm256_mul_ps(i8x8_f32(q), *d),
+            _mm256_mul_ps(i8x8_f32(q.add(8)), *d),
+        ]
     }
 }
 

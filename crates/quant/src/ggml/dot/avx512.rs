@@ -371,8 +371,10 @@ impl Fmt for Q8k {
     #[inline(always)]
     unsafe fn chunk(b: *const u8, d: &__m512, c: usize) -> [__m512; 2] {
         let q = b.add(4 + 32 * c);
-        let [q0, q1] = [i8x16_f32(q), i8x16_f32(q.add(16))];
-        [_mm512_mul_ps(q0, *d), _mm512_mul_ps(q1, *d)]
+        [
+            _mm512_mul_ps(i8x16_f32(q), *d),
+            _mm512_mul_ps(i8x16_f32(q.add(16)), *d),
+        ]
     }
 }
 
