@@ -148,7 +148,13 @@ fn request(i: usize, vocab: usize) -> Request {
 }
 
 fn check_family(name: &str, b: usize) {
-    let m = load(&fixture(name)).unwrap();
+    check_folder(name, &fixture(name), b);
+}
+
+/// Batched against alone, bit for bit: the CPU's kernels give each row the same arithmetic
+/// whatever runs beside it.
+fn check_folder(name: &str, dir: &std::path::Path, b: usize) {
+    let m = load(dir).unwrap();
     let model = m.model.clone();
     let vocab = model.cfg.vocab;
     let reqs: Vec<Request> = (0..b).map(|i| request(i, vocab)).collect();
@@ -162,7 +168,6 @@ fn check_family(name: &str, b: usize) {
     let together = run(&model, &reqs, &join, b, 8);
     let mut worst = 0.0f32;
     for i in 0..b {
-        // The CPU's kernels give each row the same arithmetic whatever runs beside it.
         worst = worst.max(assert_same(name, i, &alone[i], &together[i], 0.0));
     }
     eprintln!("{name}: B = {b}: batched vs alone max |dlogprob| {worst:e}");
@@ -183,6 +188,24 @@ fn batches_of_1_to_16_match_running_alone() {
         ("qwen3", 16),
     ] {
         check_family(name, b);
+    }
+}
+
+/// EXL3 layers (exllamav3's tiny conversions: every codebook, MUL1 on int16 activations) in
+/// batches, as the families above.
+#[test]
+fn exl3_batches_match_running_alone() {
+    let root = PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tests/fixtures/exl3/tiny-llama"
+    ));
+    for (dir, b) in [
+        ("3inst-4.0", 5),
+        ("mcg-2.0", 3),
+        ("mul1-2.5", 8),
+        ("mul1-3.0", 16),
+    ] {
+        check_folder(dir, &root.join(dir), b);
     }
 }
 

@@ -209,38 +209,31 @@ pub(super) unsafe fn prefetch_ahead(row: *const u8, stride: usize, span: usize) 
     _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(span - 1).cast());
 }
 
-/// `M` activation rows, `S` accumulators per row (S > 1 splits the FMA chains of few rows),
-/// `CG` output tile columns at a time: the group walks down `k` one tile row at a time, its `CG`
-/// tiles side by side in memory (a tile column alone would be one tile per page, each load a
-/// cache and TLB miss), keeping the `CG x M` 16-wide sums in registers. Columns `tn0..tn1` not
+/// `M` activation rows, `CG` output tile columns at a time: the group walks down `k` one tile
+/// row at a time, its `CG` tiles side by side in memory (a tile column alone would be one tile
+/// per page, each load a cache and TLB miss), keeping the `CG x M` 16-wide sums in registers. Columns `tn0..tn1` not
 /// filling a whole group go one at a time. Every output's sum runs in the same order whatever
-/// `CG` is.
+/// `CG` and `M` are.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn kernel<const CB: u8, const BIG: bool, const M: usize, const S: usize, const CG: usize>(
+unsafe fn kernel<const CB: u8, const BIG: bool, const M: usize, const CG: usize>(
     j: &Job,
     t: &RateTables,
     pairs: &[PairIdx; 8],
 ) {
     let mut tn = j.tn0;
     while tn + CG <= j.tn1 {
-        columns::<CB, BIG, M, S, CG>(j, t, pairs, tn);
+        columns::<CB, BIG, M, CG>(j, t, pairs, tn);
         tn += CG;
     }
     while tn < j.tn1 {
-        columns::<CB, BIG, M, S, 1>(j, t, pairs, tn);
+        columns::<CB, BIG, M, 1>(j, t, pairs, tn);
         tn += 1;
     }
 }
 
 /// Output tile columns `tn .. tn + CG` of [`kernel`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn columns<
-    const CB: u8,
-    const BIG: bool,
-    const M: usize,
-    const S: usize,
-    const CG: usize,
->(
+unsafe fn columns<const CB: u8, const BIG: bool, const M: usize, const CG: usize>(
     j: &Job,
     t: &RateTables,
     pairs: &[PairIdx; 8],
@@ -248,7 +241,7 @@ unsafe fn columns<
 ) {
     let stride = j.tiles_n * j.tile_bytes;
     let span = CG * j.tile_bytes;
-    let mut acc = [[[_mm512_setzero_ps(); S]; M]; CG];
+    let mut acc = [[_mm512_setzero_ps(); M]; CG];
     let mut row = j.trellis.add(tn * j.tile_bytes);
     let mut xk = j.x;
     for _ in 0..j.tiles_k {
@@ -258,10 +251,9 @@ unsafe fn columns<
             for rp in 0..8 {
                 let w = values::<CB>(states::<BIG>(&r, &pairs[rp]));
                 for h in 0..2 {
-                    let a = h % S;
                     for m in 0..M {
                         let xv = _mm512_set1_ps(*xk.add((2 * rp + h) * M + m));
-                        acc[c][m][a] = _mm512_fmadd_ps(xv, w[h], acc[c][m][a]);
+                        acc[c][m] = _mm512_fmadd_ps(xv, w[h], acc[c][m]);
                     }
                 }
             }
@@ -271,11 +263,7 @@ unsafe fn columns<
     }
     for c in 0..CG {
         for m in 0..M {
-            let mut s = acc[c][m][0];
-            for a in 1..S {
-                s = _mm512_add_ps(s, acc[c][m][a]);
-            }
-            _mm512_storeu_ps(j.out.add(m * j.width + 16 * (tn + c - j.tn0)), s);
+            _mm512_storeu_ps(j.out.add(m * j.width + 16 * (tn + c - j.tn0)), acc[c][m]);
         }
     }
 }
@@ -286,24 +274,26 @@ unsafe fn run<const CB: u8, const BIG: bool>(j: &Job, t: &RateTables, rows: usiz
     } else {
         Order::Linear
     });
-    // Column groups as wide as 16 accumulators allow.
+    // Column groups as wide as 16 accumulators allow; one accumulator an output at every row
+    // count, so that a row's sums do not depend on the rows beside it (and enough independent
+    // chains for the FMA latency come from the columns).
     match rows {
-        1 => kernel::<CB, BIG, 1, 2, 8>(j, t, p),
-        2 => kernel::<CB, BIG, 2, 2, 4>(j, t, p),
-        3 => kernel::<CB, BIG, 3, 1, 4>(j, t, p),
-        4 => kernel::<CB, BIG, 4, 1, 4>(j, t, p),
-        5 => kernel::<CB, BIG, 5, 1, 2>(j, t, p),
-        6 => kernel::<CB, BIG, 6, 1, 2>(j, t, p),
-        7 => kernel::<CB, BIG, 7, 1, 2>(j, t, p),
-        8 => kernel::<CB, BIG, 8, 1, 2>(j, t, p),
-        9 => kernel::<CB, BIG, 9, 1, 1>(j, t, p),
-        10 => kernel::<CB, BIG, 10, 1, 1>(j, t, p),
-        11 => kernel::<CB, BIG, 11, 1, 1>(j, t, p),
-        12 => kernel::<CB, BIG, 12, 1, 1>(j, t, p),
-        13 => kernel::<CB, BIG, 13, 1, 1>(j, t, p),
-        14 => kernel::<CB, BIG, 14, 1, 1>(j, t, p),
-        15 => kernel::<CB, BIG, 15, 1, 1>(j, t, p),
-        16 => kernel::<CB, BIG, 16, 1, 1>(j, t, p),
+        1 => kernel::<CB, BIG, 1, 16>(j, t, p),
+        2 => kernel::<CB, BIG, 2, 8>(j, t, p),
+        3 => kernel::<CB, BIG, 3, 4>(j, t, p),
+        4 => kernel::<CB, BIG, 4, 4>(j, t, p),
+        5 => kernel::<CB, BIG, 5, 2>(j, t, p),
+        6 => kernel::<CB, BIG, 6, 2>(j, t, p),
+        7 => kernel::<CB, BIG, 7, 2>(j, t, p),
+        8 => kernel::<CB, BIG, 8, 2>(j, t, p),
+        9 => kernel::<CB, BIG, 9, 1>(j, t, p),
+        10 => kernel::<CB, BIG, 10, 1>(j, t, p),
+        11 => kernel::<CB, BIG, 11, 1>(j, t, p),
+        12 => kernel::<CB, BIG, 12, 1>(j, t, p),
+        13 => kernel::<CB, BIG, 13, 1>(j, t, p),
+        14 => kernel::<CB, BIG, 14, 1>(j, t, p),
+        15 => kernel::<CB, BIG, 15, 1>(j, t, p),
+        16 => kernel::<CB, BIG, 16, 1>(j, t, p),
         _ => unreachable!("1..=16 rows per call"),
     }
 }
