@@ -365,6 +365,37 @@ fn an_interrupted_run_resumes_to_the_same_bytes_and_shards_split() {
     .concat());
     assert_ne!(code, 0);
     assert!(err.contains("another quantization"), "{err}");
+    // Another seed is another job too; from scratch it makes other signs, a folder that loads.
+    let mut seeded = stop.clone();
+    seeded.extend_from_slice(&["--seed", "7"]);
+    let (code, _, err) = run(&[
+        &[
+            "quantize",
+            "--model",
+            src.to_str().unwrap(),
+            "--out",
+            other.to_str().unwrap(),
+        ][..],
+        &seeded[..],
+    ]
+    .concat());
+    assert_ne!(code, 0);
+    assert!(err.contains("another quantization"), "{err}");
+    let seven = d.path().join("seven");
+    quantize(&src, &seven, &[&args[..], &["--seed", "7"]].concat());
+    let tensors = |dir: &Path| {
+        files(dir)
+            .into_iter()
+            .filter(|f| f.0.ends_with(".safetensors"))
+            .map(|f| f.1)
+            .collect::<Vec<_>>()
+    };
+    assert_ne!(
+        tensors(&whole),
+        tensors(&seven),
+        "--seed 7 made the same tensors"
+    );
+    trellm::load(&seven).unwrap();
     trellm::load(&whole).unwrap();
     // 2.5 bits on average over the stored weights: some projections at 2, some at 3.
     let storage = json(whole.join("quantization_config.json"))["tensor_storage"].clone();

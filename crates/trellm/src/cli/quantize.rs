@@ -45,6 +45,10 @@ pub struct QuantizeArgs {
     /// files. exllamav3's default.
     #[arg(long, default_value_t = 8192.0)]
     pub shard_size: f64,
+    /// Seed mixed into every tensor's random signs (0: the default ones). Other seeds give other,
+    /// equally valid files: at 3 bpw on SmolLM2 their mean KLD spread by about ±4%.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
     /// Stop after this many layers with the checkpoint saved, as an interruption would (tests).
     #[arg(long, hide = true)]
     pub stop_after_layers: Option<usize>,
@@ -94,6 +98,7 @@ fn options(a: &QuantizeArgs) -> Result<Options> {
         stop_after: a.stop_after_layers,
         quiet: a.quiet,
         device: a.device,
+        seed: a.seed,
     })
 }
 

@@ -55,6 +55,8 @@ pub struct Options {
     pub quiet: bool,
     /// Where the tiles are encoded (the same bytes on every device).
     pub device: Device,
+    /// Mixed into every tensor's seed for its random signs (0: the default signs).
+    pub seed: u64,
 }
 
 /// The tile encoder of a run (`--device`).
@@ -181,9 +183,9 @@ fn tap_name(t: Tap) -> &'static str {
     }
 }
 
-/// A stable seed per tensor for its random signs.
-fn seed_of(name: &str) -> u64 {
-    name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+/// A stable seed per tensor for its random signs, varied by the run's `seed`.
+fn seed_of(name: &str, seed: u64) -> u64 {
+    name.bytes().fold(0xcbf2_9ce4_8422_2325u64 ^ seed, |h, b| {
         (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
     })
 }
@@ -195,13 +197,14 @@ struct Quantized {
     proxy_err: f64,
 }
 
-/// Quantizes the projection `src` (stored as `base`) at `bits`, weighing errors by `h`.
+/// Quantizes the projection `src` (stored as `base`) at `bits`, weighing errors by `h`, with the
+/// run's codebook and seed.
 fn quantize_linear(
     base: &str,
     src: &Linear,
     h: Option<&Hessian>,
     bits: u32,
-    cb: Codebook,
+    run: &Options,
     enc: &Encoder,
     warnings: &mut Vec<String>,
 ) -> Result<Quantized> {
@@ -221,8 +224,9 @@ fn quantize_linear(
         }
     }
     let hp = h.filter(|h| h.rows > 0).map(|h| h.padded(k));
+    let cb = run.codebook;
     let mut opts = LayerOptions::new(bits, cb);
-    opts.seed = seed_of(base);
+    opts.seed = seed_of(base, run.seed);
     let q = cpu::pool()
         .install(|| quantize_layer_with(&wt, k, n, hp.as_deref(), &opts, enc.get()))
         .with_context(|| base.to_string())?;
@@ -366,7 +370,7 @@ fn job(origin: &str, opts: &Options, cal: &Calibration) -> Value {
         .fold(0xcbf2_9ce4_8422_2325u64, |h, &t| {
             (h ^ t as u64).wrapping_mul(0x0100_0000_01b3)
         });
-    json!({
+    let mut spec = json!({
         "source": origin,
         "bits": opts.bits,
         "head_bits": opts.head_bits,
@@ -375,7 +379,12 @@ fn job(origin: &str, opts: &Options, cal: &Calibration) -> Value {
         "calibration_tokens": cal.rows.iter().map(Vec::len).sum::<usize>(),
         "calibration_hash": format!("{hash:016x}"),
         "trellm": env!("CARGO_PKG_VERSION"),
-    })
+    });
+    // Only a non-default seed is named, so checkpoints made before it existed still resume.
+    if opts.seed != 0 {
+        spec["seed"] = json!(opts.seed);
+    }
+    spec
 }
 
 fn progress(total: u64, quiet: bool) -> ProgressBar {
@@ -604,8 +613,7 @@ fn quantize_hf(
                     pb.set_message(base.clone());
                     let mut w = Vec::new();
                     let bits = layer_bits[&role];
-                    let q =
-                        quantize_linear(&base, lin, h.as_ref(), bits, opts.codebook, &enc, &mut w)?;
+                    let q = quantize_linear(&base, lin, h.as_ref(), bits, opts, &enc, &mut w)?;
                     for w in w {
                         warn(w, &mut warnings);
                     }
@@ -676,7 +684,7 @@ fn quantize_hf(
             b: None,
         };
         let mut w = Vec::new();
-        let q = quantize_linear("lm_head", &lin, Some(&h), bits, opts.codebook, &enc, &mut w)?;
+        let q = quantize_linear("lm_head", &lin, Some(&h), bits, opts, &enc, &mut w)?;
         for w in w {
             warn(w, &mut warnings);
         }
