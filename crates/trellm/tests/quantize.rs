@@ -350,37 +350,23 @@ fn an_interrupted_run_resumes_to_the_same_bytes_and_shards_split() {
     // Another job in the same folder is refused, not mixed in.
     let other = d.path().join("other");
     quantize(&src, &other, &stop);
+    let refused = |flags: &[&str]| {
+        let head = [
+            "quantize",
+            "--model",
+            src.to_str().unwrap(),
+            "--out",
+            other.to_str().unwrap(),
+        ];
+        let (code, _, err) = run(&[&head[..], flags].concat());
+        assert_ne!(code, 0, "{flags:?}");
+        assert!(err.contains("another quantization"), "{err}");
+    };
     let mut four = stop.clone();
     four[1] = "4";
-    let (code, _, err) = run(&[
-        &[
-            "quantize",
-            "--model",
-            src.to_str().unwrap(),
-            "--out",
-            other.to_str().unwrap(),
-        ][..],
-        &four[..],
-    ]
-    .concat());
-    assert_ne!(code, 0);
-    assert!(err.contains("another quantization"), "{err}");
+    refused(&four);
     // Another seed is another job too; from scratch it makes other signs, a folder that loads.
-    let mut seeded = stop.clone();
-    seeded.extend_from_slice(&["--seed", "7"]);
-    let (code, _, err) = run(&[
-        &[
-            "quantize",
-            "--model",
-            src.to_str().unwrap(),
-            "--out",
-            other.to_str().unwrap(),
-        ][..],
-        &seeded[..],
-    ]
-    .concat());
-    assert_ne!(code, 0);
-    assert!(err.contains("another quantization"), "{err}");
+    refused(&[&stop[..], &["--seed", "7"]].concat());
     let seven = d.path().join("seven");
     quantize(&src, &seven, &[&args[..], &["--seed", "7"]].concat());
     let tensors = |dir: &Path| {
