@@ -211,9 +211,9 @@ pub(super) unsafe fn prefetch_ahead(row: *const u8, stride: usize, span: usize) 
 
 /// `M` activation rows, `CG` output tile columns at a time: the group walks down `k` one tile
 /// row at a time, its `CG` tiles side by side in memory (a tile column alone would be one tile
-/// per page, each load a cache and TLB miss), keeping the `CG x M` 16-wide sums in registers. Columns `tn0..tn1` not
-/// filling a whole group go one at a time. Every output's sum runs in the same order whatever
-/// `CG` and `M` are.
+/// per page, each load a cache and TLB miss), keeping the `CG x M` 16-wide sums in registers.
+/// Columns `tn0..tn1` not filling a whole group go one at a time. Every output's sum runs in the
+/// same order whatever `CG` and `M` are.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 unsafe fn kernel<const CB: u8, const BIG: bool, const M: usize, const CG: usize>(
     j: &Job,

@@ -82,22 +82,24 @@ impl Int16Rows {
         // Compiled for the SIMD level at hand (this module only runs where AVX2 or AVX-512 is),
         // so the rounding vectorizes: as baseline x86-64 it was a libm `roundf` call a value, 5%
         // of an EXL3 decode step on one thread.
-        if super::Level::Avx512.is_available() {
-            #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-            unsafe fn wide(q: &mut Int16Rows, x: &[f32]) {
-                q.fill(x)
+        match super::best_level() {
+            super::Level::Avx512 => {
+                #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+                unsafe fn wide(q: &mut Int16Rows, x: &[f32]) {
+                    q.fill(x)
+                }
+                // SAFETY: AVX-512 is available.
+                unsafe { wide(&mut q, x) };
             }
-            // SAFETY: AVX-512 is available.
-            unsafe { wide(&mut q, x) };
-        } else if super::Level::Avx2.is_available() {
-            #[target_feature(enable = "avx2,fma")]
-            unsafe fn narrow(q: &mut Int16Rows, x: &[f32]) {
-                q.fill(x)
+            super::Level::Avx2 => {
+                #[target_feature(enable = "avx2,fma")]
+                unsafe fn narrow(q: &mut Int16Rows, x: &[f32]) {
+                    q.fill(x)
+                }
+                // SAFETY: AVX2 and FMA are available.
+                unsafe { narrow(&mut q, x) };
             }
-            // SAFETY: AVX2 and FMA are available.
-            unsafe { narrow(&mut q, x) };
-        } else {
-            q.fill(x);
+            super::Level::Scalar => q.fill(x),
         }
         q
     }

@@ -570,8 +570,7 @@ unsafe fn tile<F: Fmt, const MR: usize, const NR: usize>(
     }
     for i in 0..MR {
         for t in 0..NR {
-            let s = acc[i][t];
-            *out.add(i * oi + t * ot) = _mm512_reduce_add_ps(s);
+            *out.add(i * oi + t * ot) = _mm512_reduce_add_ps(acc[i][t]);
         }
     }
 }
