@@ -273,6 +273,16 @@ impl Shape {
     }
 }
 
+/// How many rows past a tile's first row its kernel prefetches the weights it will need next: the
+/// next tile's rows, and never less than `PREFETCH_BYTES` ahead: with short rows (gemma-3's and
+/// SmolLM2's Q8_0 heads: 680 and 612 bytes) one tile ahead arrives too late to hide the memory's
+/// latency (BENCHMARKS.md, "Session 22").
+#[cfg(target_arch = "x86_64")]
+fn prefetch_rows_ahead(mr: usize, row_bytes: usize) -> usize {
+    const PREFETCH_BYTES: usize = 8192;
+    mr.max(PREFETCH_BYTES.div_ceil(row_bytes))
+}
+
 /// Splits an `m` × `n` problem into register tiles and calls `tile(i0, mr, t0, nr)` for weight
 /// rows `i0..i0 + mr` against activation rows `t0..t0 + nr`.
 ///

@@ -492,14 +492,14 @@ impl Fmt for BFlt16 {
 
 /// Streaming a matrix bigger than the caches: the hardware prefetchers do not follow MR
 /// interleaved row streams well, so while on block `wb` of a tile, fetch the same block of the
-/// next tile's rows into L2 (every cache line of it).
+/// rows `ahead` rows on (`prefetch_rows_ahead`) into L2 (every cache line of it).
 #[inline(always)]
-unsafe fn prefetch_next_tile<F: Fmt, const MR: usize>(wb: *const u8, rb: usize) {
+unsafe fn prefetch_next_tile<F: Fmt, const MR: usize>(wb: *const u8, rb: usize, ahead: usize) {
     for i in 0..MR {
         let mut o = 0;
         while o < F::BB {
             // Past the matrix end this is a harmless prefetch, hence the wrapping arithmetic.
-            _mm_prefetch::<_MM_HINT_T1>(wb.wrapping_add((MR + i) * rb + o).cast());
+            _mm_prefetch::<_MM_HINT_T1>(wb.wrapping_add((ahead + i) * rb + o).cast());
             o += 64;
         }
     }
@@ -532,6 +532,7 @@ unsafe fn tile<F: Fmt, const MR: usize, const NR: usize>(
     // uninitialized (zeroing it would cost as much as a short row's work).
     let mut sc = core::mem::MaybeUninit::<[[f32; SC]; MR]>::uninit();
     let sc = sc.as_mut_ptr().cast::<f32>();
+    let ahead = super::prefetch_rows_ahead(MR, rb);
     let mut g0 = 0;
     while g0 < nb {
         let count = (nb - g0).min(GROUP);
@@ -545,7 +546,7 @@ unsafe fn tile<F: Fmt, const MR: usize, const NR: usize>(
             let blk = g0 + g;
             let wb = w.add(blk * F::BB);
             let xb = x.add(blk * F::BL);
-            prefetch_next_tile::<F, MR>(wb, rb);
+            prefetch_next_tile::<F, MR>(wb, rb, ahead);
             let mut p = [F::prep(wb, sc.add(g * F::H)); MR];
             for i in 1..MR {
                 p[i] = F::prep(wb.add(i * rb), sc.add(i * SC + g * F::H));
