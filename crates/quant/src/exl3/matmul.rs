@@ -1,7 +1,7 @@
 //! The EXL3 matmul over whole layers. Few rows: the input Hadamard once per row, the tile
 //! kernels per 128-output band (each tile decoded once per 16 rows, on f32 or int16
 //! activations), then the output Hadamard and scales per band. Many rows: the Hadamards and
-//! scales folded into the exactly decoded weights, then one GEMM per 1024 outputs. Both run on
+//! scales folded into the exactly decoded weights, then one GEMM per 512 outputs. Both run on
 //! the caller's rayon pool.
 
 use rayon::prelude::*;
@@ -198,9 +198,11 @@ pub fn matmul_tiles_gated(
     scatter_bands(&bands, n, out, y);
 }
 
-/// Output bands a [`matmul_gemm`] pass folds and multiplies at once: 1024 outputs (a 4 MB f32
-/// block at k = 1024), so a vocabulary-sized head never needs its whole f32 copy.
-const GEMM_BANDS: usize = 8;
+/// Output bands a [`matmul_gemm`] pass folds and multiplies at once: 512 outputs (1.3 MB of f32
+/// at SmolLM2's k = 640, so the GEMM reads the block from L2 while it is still there; 1024
+/// outputs measured 5-6% slower in prefill, BENCHMARKS.md "session 22"), and a vocabulary-sized
+/// head never needs its whole f32 copy.
+const GEMM_BANDS: usize = 4;
 
 /// `W_eff = diag(suh) H W_inner H diag(svh)` for the output bands `b0..b0 + width / 128`, into
 /// `w` (`[k][stride]`, the first `width` columns), one 128 x 128 block at a time: its 64 tiles
