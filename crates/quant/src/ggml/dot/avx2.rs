@@ -505,9 +505,9 @@ unsafe fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
 }
 
-/// See the AVX-512 `prefetch_next_tile`.
+/// See the AVX-512 `prefetch_rows_on`.
 #[inline(always)]
-unsafe fn prefetch_next_tile<F: Fmt, const MR: usize>(wb: *const u8, rb: usize, ahead: usize) {
+unsafe fn prefetch_rows_on<F: Fmt, const MR: usize>(wb: *const u8, rb: usize, ahead: usize) {
     for i in 0..MR {
         let mut o = 0;
         while o < F::BB {
@@ -551,7 +551,7 @@ unsafe fn tile<F: Fmt, const MR: usize, const NR: usize>(
             let blk = g0 + g;
             let wb = w.add(blk * F::BB);
             let xb = x.add(blk * F::BL);
-            prefetch_next_tile::<F, MR>(wb, rb, ahead);
+            prefetch_rows_on::<F, MR>(wb, rb, ahead);
             let mut p = [F::prep(wb, sc.add(g * F::H)); MR];
             for i in 1..MR {
                 p[i] = F::prep(wb.add(i * rb), sc.add(i * SC + g * F::H));

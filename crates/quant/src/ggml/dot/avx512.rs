@@ -494,7 +494,7 @@ impl Fmt for BFlt16 {
 /// interleaved row streams well, so while on block `wb` of a tile, fetch the same block of the
 /// rows `ahead` rows on (`prefetch_rows_ahead`) into L2 (every cache line of it).
 #[inline(always)]
-unsafe fn prefetch_next_tile<F: Fmt, const MR: usize>(wb: *const u8, rb: usize, ahead: usize) {
+unsafe fn prefetch_rows_on<F: Fmt, const MR: usize>(wb: *const u8, rb: usize, ahead: usize) {
     for i in 0..MR {
         let mut o = 0;
         while o < F::BB {
@@ -546,7 +546,7 @@ unsafe fn tile<F: Fmt, const MR: usize, const NR: usize>(
             let blk = g0 + g;
             let wb = w.add(blk * F::BB);
             let xb = x.add(blk * F::BL);
-            prefetch_next_tile::<F, MR>(wb, rb, ahead);
+            prefetch_rows_on::<F, MR>(wb, rb, ahead);
             let mut p = [F::prep(wb, sc.add(g * F::H)); MR];
             for i in 1..MR {
                 p[i] = F::prep(wb.add(i * rb), sc.add(i * SC + g * F::H));
