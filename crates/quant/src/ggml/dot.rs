@@ -283,6 +283,24 @@ fn prefetch_rows_ahead(mr: usize, row_bytes: usize) -> usize {
     mr.max(PREFETCH_BYTES.div_ceil(row_bytes))
 }
 
+/// Streaming a matrix bigger than the caches: the hardware prefetchers do not follow MR
+/// interleaved row streams well, so while on block `wb` (`bb` bytes) of a tile's `MR` rows
+/// (stride `rb`), the tile kernels of every level fetch the same block of the `MR` rows `ahead`
+/// rows on ([`prefetch_rows_ahead`]) into L2, every cache line of it.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn prefetch_rows_on<const MR: usize>(wb: *const u8, rb: usize, bb: usize, ahead: usize) {
+    use core::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+    for i in 0..MR {
+        let mut o = 0;
+        while o < bb {
+            // Past the matrix end this is a harmless prefetch, hence the wrapping arithmetic.
+            _mm_prefetch::<_MM_HINT_T1>(wb.wrapping_add((ahead + i) * rb + o).cast());
+            o += 64;
+        }
+    }
+}
+
 /// Splits an `m` × `n` problem into register tiles and calls `tile(i0, mr, t0, nr)` for weight
 /// rows `i0..i0 + mr` against activation rows `t0..t0 + nr`.
 ///

@@ -183,11 +183,18 @@ fn tap_name(t: Tap) -> &'static str {
     }
 }
 
+/// FNV-1a over `words` from the offset basis xor `start`: stable across runs and builds.
+fn fnv1a(start: u64, words: impl IntoIterator<Item = u64>) -> u64 {
+    words
+        .into_iter()
+        .fold(0xcbf2_9ce4_8422_2325 ^ start, |h, w| {
+            (h ^ w).wrapping_mul(0x0100_0000_01b3)
+        })
+}
+
 /// A stable seed per tensor for its random signs, varied by the run's `seed`.
 fn seed_of(name: &str, seed: u64) -> u64 {
-    name.bytes().fold(0xcbf2_9ce4_8422_2325u64 ^ seed, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
-    })
+    fnv1a(seed, name.bytes().map(u64::from))
 }
 
 /// One projection quantized: the layer the decoder runs and the tensors the folder stores.
@@ -363,13 +370,7 @@ fn mlp_start(ops: &[Op]) -> Option<usize> {
 
 /// The job a checkpoint belongs to: a resumed run must make the same folder.
 fn job(origin: &str, opts: &Options, cal: &Calibration) -> Value {
-    let hash = cal
-        .rows
-        .iter()
-        .flatten()
-        .fold(0xcbf2_9ce4_8422_2325u64, |h, &t| {
-            (h ^ t as u64).wrapping_mul(0x0100_0000_01b3)
-        });
+    let hash = fnv1a(0, cal.rows.iter().flatten().map(|&t| u64::from(t)));
     let mut spec = json!({
         "source": origin,
         "bits": opts.bits,

@@ -505,18 +505,6 @@ unsafe fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
 }
 
-/// See the AVX-512 `prefetch_rows_on`.
-#[inline(always)]
-unsafe fn prefetch_rows_on<F: Fmt, const MR: usize>(wb: *const u8, rb: usize, ahead: usize) {
-    for i in 0..MR {
-        let mut o = 0;
-        while o < F::BB {
-            _mm_prefetch::<_MM_HINT_T1>(wb.wrapping_add((ahead + i) * rb + o).cast());
-            o += 64;
-        }
-    }
-}
-
 /// See the AVX-512 `GROUP`.
 const GROUP: usize = 32;
 const SC: usize = 2 * GROUP + 8;
@@ -551,7 +539,7 @@ unsafe fn tile<F: Fmt, const MR: usize, const NR: usize>(
             let blk = g0 + g;
             let wb = w.add(blk * F::BB);
             let xb = x.add(blk * F::BL);
-            prefetch_rows_on::<F, MR>(wb, rb, ahead);
+            super::prefetch_rows_on::<MR>(wb, rb, F::BB, ahead);
             let mut p = [F::prep(wb, sc.add(g * F::H)); MR];
             for i in 1..MR {
                 p[i] = F::prep(wb.add(i * rb), sc.add(i * SC + g * F::H));

@@ -490,21 +490,6 @@ impl Fmt for BFlt16 {
     }
 }
 
-/// Streaming a matrix bigger than the caches: the hardware prefetchers do not follow MR
-/// interleaved row streams well, so while on block `wb` of a tile, fetch the same block of the
-/// rows `ahead` rows on (`prefetch_rows_ahead`) into L2 (every cache line of it).
-#[inline(always)]
-unsafe fn prefetch_rows_on<F: Fmt, const MR: usize>(wb: *const u8, rb: usize, ahead: usize) {
-    for i in 0..MR {
-        let mut o = 0;
-        while o < F::BB {
-            // Past the matrix end this is a harmless prefetch, hence the wrapping arithmetic.
-            _mm_prefetch::<_MM_HINT_T1>(wb.wrapping_add((ahead + i) * rb + o).cast());
-            o += 64;
-        }
-    }
-}
-
 /// Blocks per group whose fp16 scales are converted ahead (see `f16_fields`), and the room their
 /// converted values take per row.
 const GROUP: usize = 32;
@@ -546,7 +531,7 @@ unsafe fn tile<F: Fmt, const MR: usize, const NR: usize>(
             let blk = g0 + g;
             let wb = w.add(blk * F::BB);
             let xb = x.add(blk * F::BL);
-            prefetch_rows_on::<F, MR>(wb, rb, ahead);
+            super::prefetch_rows_on::<MR>(wb, rb, F::BB, ahead);
             let mut p = [F::prep(wb, sc.add(g * F::H)); MR];
             for i in 1..MR {
                 p[i] = F::prep(wb.add(i * rb), sc.add(i * SC + g * F::H));
