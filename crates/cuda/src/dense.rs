@@ -35,7 +35,7 @@ use trellm_model::plan::{
 use trellm_model::weights::{Exl3Matrix, LinearWeight, Matrix, NormWeights, Weights};
 use trellm_model::{Batch, ModelConfig, Plan, Want};
 
-use crate::exl3::{Exl3Linear, Exl3Scratch, Rows};
+use crate::exl3::{Exl3Linear, Exl3Scratch, RopeKv, Rows};
 use crate::kernels;
 use crate::{Arg, Gpu, HostBuffers, HostRows};
 use trellm_quant::exl3::{Bitrate, Codebook, Exl3Shape};
@@ -1804,17 +1804,22 @@ impl DenseModel {
                     ],
                 )?;
             } else {
-                let q_out = singles.is_some();
-                self.qkv_rope(
-                    m,
-                    &inp,
-                    lw,
-                    ops,
-                    (kc, vc),
-                    (gemm_attn, q_out),
-                    qkv_norm,
-                    tabs,
-                )?;
+                // A step of decode tokens alone: EXL3 q/k/v do the rope kernel's work in their
+                // launch's epilogue where they can.
+                let decode_only = !gemm_attn && singles.is_some_and(|(_, n)| n == m);
+                if !(decode_only && self.qkv_rope_exl3(m, &inp, lw, ops, (kc, vc), tabs)?) {
+                    let q_out = singles.is_some();
+                    self.qkv_rope(
+                        m,
+                        &inp,
+                        lw,
+                        ops,
+                        (kc, vc),
+                        (gemm_attn, q_out),
+                        qkv_norm,
+                        tabs,
+                    )?;
+                }
             }
             if let Some((list, n)) = singles {
                 // Batches merge their splits in the combine kernel: as clusters (batch-1's
@@ -2179,6 +2184,61 @@ impl DenseModel {
                 Arg::I32(KV_BLOCK as i32),
             ],
         )
+    }
+
+    /// [`Self::qkv_rope`] for `m` decode tokens as one EXL3 launch, RoPE and the cache write in
+    /// its epilogue ([`Exl3Linear::forward_rope`]): q to the f32 buffer. False, having run
+    /// nothing, where the layer does not fit it: other weights, a bias or q/k norms outside the
+    /// layers, a head dimension other than 128, RoPE over part of a head or on adjacent pairs.
+    fn qkv_rope_exl3(
+        &self,
+        m: usize,
+        inp: &Inputs,
+        lw: &LayerBuffers,
+        ops: &LayerOps,
+        (kc, vc): (u64, u64),
+        tabs: (u64, u64),
+    ) -> Result<bool> {
+        let (g, c) = (&*self.gpu, &self.cfg);
+        let DeviceMatrix::Exl3(parts) = &lw.qkv.w else {
+            return Ok(false);
+        };
+        let (Some(rope), Some(freq)) = (ops.qkv.rope.as_ref(), lw.inv_freq.as_ref()) else {
+            return Ok(false);
+        };
+        let fits = c.head_dim == 128
+            && rope.dims == 128
+            && !rope.traditional
+            && ops.qkv.qk_norm == QkNorm::None
+            && lw.qkv.b.is_none();
+        if !fits {
+            return Ok(false);
+        }
+        let s = self
+            .exl3
+            .as_ref()
+            .context("EXL3 layers without their scratch")?;
+        let x = Rows {
+            ptr: g.ptr(&self.b.xn),
+            bf16: true,
+            ld: c.hidden,
+        };
+        let e = RopeKv {
+            pos: inp.pos,
+            inv_freq: g.ptr(freq),
+            n_heads: c.n_heads,
+            n_kv: c.n_kv_heads,
+            pos_scale: rope.position_scale,
+            in_scale: rope.input_scale.unwrap_or(1.0),
+            q_scale: ops.attn.scale,
+            q: g.ptr(&self.b.q),
+            k_cache: kc,
+            v_cache: vc,
+            tables: tabs.0,
+            table_off: tabs.1,
+            block: KV_BLOCK,
+        };
+        Exl3Linear::forward_rope(g, s, parts, m, x, &e)
     }
 
     /// Prefill attention on tensor cores, per chunk of query tokens: S = Q K^T (f32) as one

@@ -341,6 +341,9 @@ const XS_HALVES: usize = 24320;
 
 /// Most rows of the one-tile tensor-core GEMV (`exl3_mma8`).
 const MMA8_ROWS: usize = 8;
+/// Most rows a launch with the RoPE epilogue takes (the 8- and 16-row kernels have it; in the
+/// wider ones it would spill at some rates).
+const ROPE_ROWS: usize = 16;
 
 /// Blocks of the one-tile tensor-core GEMV (`exl3_mma8`, up to 8 rows) resident on an SM: its
 /// registers are bounded for that many (`MMA_MIN_BLOCKS` in exl3.cu: 64 registers x 256 threads),
@@ -594,7 +597,7 @@ impl Exl3Linear {
         y: u64,
         ldy: usize,
     ) -> Result<()> {
-        Self::run_parts(gpu, s, parts, m, x, y, ldy, None).map(|_| ())
+        Self::run_parts(gpu, s, parts, m, x, y, ldy, Epilogue::Plain).map(|_| ())
     }
 
     /// A gated MLP's gate and up layers (`parts`, equally wide) with the activation fused: writes
@@ -617,11 +620,36 @@ impl Exl3Linear {
         if !pair {
             return Ok(false);
         }
-        Self::run_parts(gpu, s, parts, m, x, 0, 0, Some((act, out)))
+        Self::run_parts(gpu, s, parts, m, x, 0, 0, Epilogue::Gated { act, out })
     }
 
-    /// [`Self::forward_parts`], with a fused activation where `act` is given; returns whether the
-    /// layers ran (always without `act`).
+    /// An attention's q, k and v layers (`parts`: one band a head, so a head dimension of 128,
+    /// and no padded outputs) with RoPE and the KV-cache write fused into their launch's
+    /// epilogue ([`RopeKv`]); nothing goes to a y. Returns true where the regime for `m` rows
+    /// (up to [`ROPE_ROWS`]) allows it; false, having run nothing, where it does not or the
+    /// layers do not fit (the caller runs the layers and the rope kernel apart).
+    pub fn forward_rope(
+        gpu: &Gpu,
+        s: &Exl3Scratch,
+        parts: &[Exl3Linear],
+        m: usize,
+        x: Rows,
+        rope: &RopeKv,
+    ) -> Result<bool> {
+        let heads = |p: &Exl3Linear, n: usize| p.rows == p.shape.n && p.shape.n == 128 * n;
+        let fits = m <= ROPE_ROWS
+            && parts.len() == 3
+            && heads(&parts[0], rope.n_heads)
+            && heads(&parts[1], rope.n_kv)
+            && heads(&parts[2], rope.n_kv);
+        if !fits {
+            return Ok(false);
+        }
+        Self::run_parts(gpu, s, parts, m, x, 0, 0, Epilogue::Rope(*rope))
+    }
+
+    /// [`Self::forward_parts`] with a fused epilogue; returns whether the layers ran (always with
+    /// [`Epilogue::Plain`]).
     #[allow(clippy::too_many_arguments)]
     fn run_parts(
         gpu: &Gpu,
@@ -631,7 +659,7 @@ impl Exl3Linear {
         x: Rows,
         y: u64,
         ldy: usize,
-        act: Option<(i32, u64)>,
+        epi: Epilogue,
     ) -> Result<bool> {
         let first = parts.first().context("no EXL3 layers")?;
         let regime = if s.int8 && m == 1 && first.shape.codebook == Codebook::Mul1 {
@@ -652,16 +680,15 @@ impl Exl3Linear {
                 let mut r = 0;
                 while r < m {
                     let g = (m - r).min(MMA_ROWS);
-                    // Row r's outputs: y's, or the activation's (bf16, `rows` a row).
-                    let act = act.map(|(a, out)| (a, out + (2 * r * first.rows) as u64));
+                    let epi = epi.at_row(r, first.rows);
                     let y = y + (4 * r * ldy) as u64;
-                    mma_rows(gpu, s, &all, g, x.offset(r), y, ldy, act)?;
+                    mma_rows(gpu, s, &all, g, x.offset(r), y, ldy, epi)?;
                     r += g;
                 }
                 Ok(true)
             }
-            Regime::Int8 if fused => int8_row(gpu, s, &all, x, y, ldy, act).map(|_| true),
-            _ if act.is_some() => Ok(false),
+            Regime::Int8 if fused => int8_row(gpu, s, &all, x, y, ldy, epi).map(|_| true),
+            _ if !matches!(epi, Epilogue::Plain) => Ok(false),
             _ => {
                 let mut off = 0;
                 for p in parts {
@@ -696,7 +723,7 @@ impl Exl3Linear {
                 while r < m {
                     let g = (m - r).min(MMA_ROWS);
                     let y = y + (4 * r * ldy) as u64;
-                    mma_rows(gpu, s, &[self], g, x.offset(r), y, ldy, None)?;
+                    mma_rows(gpu, s, &[self], g, x.offset(r), y, ldy, Epilogue::Plain)?;
                     r += g;
                 }
                 return Ok(());
@@ -710,7 +737,7 @@ impl Exl3Linear {
                         x.offset(r),
                         y + (4 * r * ldy) as u64,
                         ldy,
-                        None,
+                        Epilogue::Plain,
                     )?;
                 }
                 return Ok(());
@@ -909,21 +936,73 @@ impl Exl3Linear {
 /// Most layers one launch takes (`PART_PARAMS` in exl3.cu).
 const MAX_PARTS: usize = 3;
 
+/// RoPE and the KV-cache write of an attention's q/k/v launch, as `qkv_rope` does them (the
+/// `RopeKv` of exl3.cu): device pointers to the rows' positions, the layer's inverse
+/// frequencies (the first 64: all 128 dims rotate, half-split), q's f32 output (`n_heads` x 128
+/// a row), the layer's key and value caches, and the block tables (0 for a contiguous cache).
+#[derive(Debug, Clone, Copy)]
+pub struct RopeKv {
+    pub pos: u64,
+    pub inv_freq: u64,
+    pub n_heads: usize,
+    pub n_kv: usize,
+    pub pos_scale: f32,
+    pub in_scale: f32,
+    pub q_scale: f32,
+    pub q: u64,
+    pub k_cache: u64,
+    pub v_cache: u64,
+    pub tables: u64,
+    pub table_off: u64,
+    pub block: usize,
+}
+
+/// What the last block of a band does with the band's outputs.
+#[derive(Debug, Clone, Copy)]
+enum Epilogue {
+    /// Writes them to y (with svh and the bias, as every epilogue applies them).
+    Plain,
+    /// A gated MLP: `out[r][c] = bf16(act(gate) * up)` (a prelude activation code) instead of y.
+    Gated { act: i32, out: u64 },
+    /// q/k/v: RoPE, q out, k and v into the cache instead of y.
+    Rope(RopeKv),
+}
+
+impl Epilogue {
+    /// The epilogue of the launch that starts at row `r` (`rows` outputs a row of a gated MLP).
+    fn at_row(self, r: usize, rows: usize) -> Epilogue {
+        let r64 = r as u64;
+        match self {
+            Epilogue::Plain => Epilogue::Plain,
+            Epilogue::Gated { act, out } => Epilogue::Gated {
+                act,
+                out: out + 2 * r64 * rows as u64,
+            },
+            Epilogue::Rope(e) => Epilogue::Rope(RopeKv {
+                pos: e.pos + 4 * r64,
+                q: e.q + 4 * r64 * (128 * e.n_heads) as u64,
+                table_off: if e.table_off == 0 {
+                    0
+                } else {
+                    e.table_off + 4 * r64
+                },
+                ..e
+            }),
+        }
+    }
+}
+
 /// The parts' launch arguments (`PART_PARAMS`): pointers, used outputs and bands of up to
-/// [`MAX_PARTS`] layers (absent ones null, with no bands), the fused activation (code and bf16
-/// output, or -1), and the bands in all.
-fn part_args(
-    gpu: &Gpu,
-    parts: &[&Exl3Linear],
-    act: Option<(i32, u64)>,
-) -> Result<(Vec<Arg>, usize)> {
+/// [`MAX_PARTS`] layers (absent ones null, with no bands), the epilogue's (the fused activation's
+/// code and bf16 output, or -1; RoPE's, or no heads), and the bands in all.
+fn part_args(gpu: &Gpu, parts: &[&Exl3Linear], epi: Epilogue) -> Result<(Vec<Arg>, usize)> {
     ensure!(
         (1..=MAX_PARTS).contains(&parts.len()),
         "{} EXL3 layers in one launch",
         parts.len()
     );
     let get = |i: usize| parts.get(i).copied();
-    let mut a = Vec::with_capacity(17);
+    let mut a = Vec::with_capacity(30);
     for i in 0..MAX_PARTS {
         a.push(Arg::Ptr(get(i).map_or(0, |l| gpu.ptr(&l.trellis))));
     }
@@ -943,8 +1022,45 @@ fn part_args(
     let bands = |i: usize| get(i).map_or(0, |l| l.shape.n / 128);
     a.push(Arg::I32(bands(0) as i32));
     a.push(Arg::I32(bands(1) as i32));
-    a.push(Arg::I32(act.map_or(-1, |(code, _)| code)));
-    a.push(Arg::Ptr(act.map_or(0, |(_, out)| out)));
+    let (act, act_out) = match epi {
+        Epilogue::Gated { act, out } => (act, out),
+        _ => (-1, 0),
+    };
+    a.push(Arg::I32(act));
+    a.push(Arg::Ptr(act_out));
+    let rope = match epi {
+        Epilogue::Rope(e) => e,
+        _ => RopeKv {
+            pos: 0,
+            inv_freq: 0,
+            n_heads: 0,
+            n_kv: 0,
+            pos_scale: 1.0,
+            in_scale: 1.0,
+            q_scale: 1.0,
+            q: 0,
+            k_cache: 0,
+            v_cache: 0,
+            tables: 0,
+            table_off: 0,
+            block: 0,
+        },
+    };
+    a.extend([
+        Arg::Ptr(rope.pos),
+        Arg::Ptr(rope.inv_freq),
+        Arg::I32(rope.n_heads as i32),
+        Arg::I32(rope.n_kv as i32),
+        Arg::F32(rope.pos_scale),
+        Arg::F32(rope.in_scale),
+        Arg::F32(rope.q_scale),
+        Arg::Ptr(rope.q),
+        Arg::Ptr(rope.k_cache),
+        Arg::Ptr(rope.v_cache),
+        Arg::Ptr(rope.tables),
+        Arg::Ptr(rope.table_off),
+        Arg::I32(rope.block as i32),
+    ]);
     Ok((a, (0..MAX_PARTS).map(bands).sum()))
 }
 
@@ -965,7 +1081,7 @@ fn int8_row(
     x: Rows,
     y: u64,
     ldy: usize,
-    act: Option<(i32, u64)>,
+    epi: Epilogue,
 ) -> Result<()> {
     let l = parts[0];
     ensure!(
@@ -973,7 +1089,7 @@ fn int8_row(
         "the int8 trellis GEMV is MUL1's, not {:?}'s",
         l.shape.codebook
     );
-    launch_rows(gpu, s, &l.k.q8, parts, 1, x, y, ldy, act)
+    launch_rows(gpu, s, &l.k.q8, parts, 1, x, y, ldy, epi)
 }
 
 /// The tensor-core GEMV for `m <= MMA_ROWS` rows of all `parts`: one launch, both Hadamards
@@ -987,7 +1103,7 @@ fn mma_rows(
     x: Rows,
     y: u64,
     ldy: usize,
-    act: Option<(i32, u64)>,
+    epi: Epilogue,
 ) -> Result<()> {
     let k = &parts[0].k;
     let f = match m {
@@ -997,7 +1113,7 @@ fn mma_rows(
         33..=MMA_ROWS => &k.mma[3],
         _ => bail!("the tensor-core GEMV takes 1..={MMA_ROWS} rows, not {m}"),
     };
-    launch_rows(gpu, s, f, parts, m, x, y, ldy, act)
+    launch_rows(gpu, s, f, parts, m, x, y, ldy, epi)
 }
 
 /// Launches `f` (a tensor-core or int8 GEMV: `PART_PARAMS` and the rows' arguments) on `m` rows
@@ -1012,7 +1128,7 @@ fn launch_rows(
     x: Rows,
     y: u64,
     ldy: usize,
-    act: Option<(i32, u64)>,
+    epi: Epilogue,
 ) -> Result<()> {
     let shape = parts_shape(parts);
     let n = shape.n;
@@ -1039,7 +1155,7 @@ fn launch_rows(
     } else {
         0
     };
-    let (mut args, bands) = part_args(gpu, parts, act)?;
+    let (mut args, bands) = part_args(gpu, parts, epi)?;
     args.extend([
         Arg::Ptr(x.ptr),
         Arg::I32(x.bf16 as i32),

@@ -10,7 +10,9 @@ use common::gpu;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use trellm_cuda::exl3::{Exl3Linear, Exl3Scratch, Regime, Rows, GEMM_MIN_ROWS, PREROTATE_ROWS};
+use trellm_cuda::exl3::{
+    Exl3Linear, Exl3Scratch, Regime, RopeKv, Rows, GEMM_MIN_ROWS, PREROTATE_ROWS,
+};
 use trellm_cuda::{bench, Gpu};
 use trellm_model::weights::{Linear, LinearWeight, TensorSource, Weights};
 use trellm_model::ModelConfig;
@@ -562,6 +564,211 @@ fn fused_parts_match_cpu() {
                 }
             }
         }
+    }
+    assert_none_failed(failures);
+}
+
+/// q, k and v of an attention with a head dimension of 128 as one launch with RoPE and the
+/// KV-cache write fused ([`Exl3Linear::forward_rope`]), against the CPU matmuls of the three
+/// layers (biases included) and RoPE computed here in f64 from the same f32 angle: q (f32,
+/// scaled) and every slot of both paged caches, so a value written to a wrong slot fails too.
+/// Positions reach 1999 (angles far past 2 pi); rows 1-16 through the tensor-core GEMV and one
+/// row through the int8 path; 32 rows are refused (their kernel has no such epilogue).
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on the GPU machine"]
+fn fused_rope_kv_matches_cpu_layers_and_rope() {
+    let gpu = gpu();
+    let mut failures: Vec<String> = Vec::new();
+    let (hidden, heads, kv, hd, bs) = (512, 4, 2, 128, 16);
+    let per_seq = 2000usize.div_ceil(bs);
+    let inv_freq: Vec<f32> = (0..hd / 2)
+        .map(|i| (500000f64.powf(-(i as f64) / (hd / 2) as f64)) as f32)
+        .collect();
+    let (pos_scale, in_scale, q_scale) = (0.5f32, 1.25f32, 1.0 / (hd as f32).sqrt());
+    let freq = gpu.upload(&inv_freq).unwrap();
+    // The shape's fields; each case points it at its buffers.
+    let unbound = RopeKv {
+        pos: 0,
+        inv_freq: gpu.ptr(&freq),
+        n_heads: heads,
+        n_kv: kv,
+        pos_scale,
+        in_scale,
+        q_scale,
+        q: 0,
+        k_cache: 0,
+        v_cache: 0,
+        tables: 0,
+        table_off: 0,
+        block: bs,
+    };
+    for (c, &(cb, rate)) in [
+        (Codebook::Mul1, Bitrate::int(3)),
+        (Codebook::Inst3, Bitrate::half(2)),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let hosts: Vec<Host> = [heads, kv, kv]
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| {
+                let n = n * hd;
+                host(
+                    hidden,
+                    n,
+                    hidden,
+                    n,
+                    cb,
+                    rate,
+                    700 + 10 * c as u64 + i as u64,
+                )
+            })
+            .collect();
+        let parts: Vec<Exl3Linear> = hosts.iter().map(|h| h.upload(&gpu)).collect();
+        let mut cases: Vec<(Regime, usize)> = [1, 3, 8, 16].map(|m| (Regime::Mma, m)).to_vec();
+        if cb == Codebook::Mul1 {
+            cases.push((Regime::Int8, 1));
+        }
+        for (j, &(regime, m)) in cases.iter().enumerate() {
+            let mut r = ChaCha8Rng::seed_from_u64(900 + j as u64);
+            let x = inputs(&hosts[0], m, (60 * c + j) as u64);
+            let pos: Vec<i32> = (0..m).map(|_| r.gen_range(0..2000)).collect();
+            // Each row its own sequence, its blocks a shuffled stretch of the pool.
+            let mut tables: Vec<i32> = (0..(m * per_seq) as i32).collect();
+            for i in (1..tables.len()).rev() {
+                tables.swap(i, r.gen_range(0..=i));
+            }
+            let table_off: Vec<i32> = (0..m).map(|t| (t * per_seq) as i32).collect();
+            let slots = m * per_seq * bs;
+            let xd: Vec<u16> = x
+                .iter()
+                .map(|&v| half::bf16::from_f32(v).to_bits())
+                .collect();
+            let xb = gpu.upload(&xd).unwrap();
+            let (pos_d, tab_d, off_d) = (
+                gpu.upload(&pos).unwrap(),
+                gpu.upload(&tables).unwrap(),
+                gpu.upload(&table_off).unwrap(),
+            );
+            let q = gpu.alloc::<f32>(m * heads * hd).unwrap();
+            let kc = gpu.alloc::<u16>(slots * kv * hd).unwrap();
+            let vc = gpu.alloc::<u16>(slots * kv * hd).unwrap();
+            let mut s = Exl3Scratch::for_groups(&gpu, &[(&parts[..], 64)]).unwrap();
+            s.int8 = regime == Regime::Int8;
+            let e = RopeKv {
+                pos: gpu.ptr(&pos_d),
+                q: gpu.ptr(&q),
+                k_cache: gpu.ptr(&kc),
+                v_cache: gpu.ptr(&vc),
+                tables: gpu.ptr(&tab_d),
+                table_off: gpu.ptr(&off_d),
+                ..unbound
+            };
+            let rows = Rows {
+                ptr: gpu.ptr(&xb),
+                bf16: true,
+                ld: hidden,
+            };
+            let ran = Exl3Linear::forward_rope(&gpu, &s, &parts, m, rows, &e).unwrap();
+            assert!(
+                ran,
+                "{cb:?} m={m} {regime:?}: the fused epilogue did not run"
+            );
+            gpu.sync().unwrap();
+            let (gq, gk, gv) = (
+                gpu.stream.clone_dtoh(&q).unwrap(),
+                gpu.stream.clone_dtoh(&kc).unwrap(),
+                gpu.stream.clone_dtoh(&vc).unwrap(),
+            );
+            // The CPU twin: the layers, then RoPE (pair i, i + 64) at each row's position.
+            let want: Vec<Vec<f32>> = hosts.iter().map(|h| cpu_rows(h, &x, m)).collect();
+            let rope = |v: &[f32], p: i32| -> Vec<f32> {
+                let mut out = v.to_vec();
+                for i in 0..hd / 2 {
+                    let ang = ((p as f32 * pos_scale) * inv_freq[i]) as f64;
+                    let (sn, cs) = ang.sin_cos();
+                    let (x1, x2) = ((v[i] * in_scale) as f64, (v[i + hd / 2] * in_scale) as f64);
+                    out[i] = (x1 * cs - x2 * sn) as f32;
+                    out[i + hd / 2] = (x1 * sn + x2 * cs) as f32;
+                }
+                out
+            };
+            let mut wq = vec![0.0f32; m * heads * hd];
+            let (mut wk, mut wv) = (vec![0.0f32; slots * kv * hd], vec![0.0f32; slots * kv * hd]);
+            for t in 0..m {
+                let p = pos[t];
+                let slot =
+                    tables[table_off[t] as usize + p as usize / bs] as usize * bs + p as usize % bs;
+                for h in 0..heads {
+                    let head = &want[0][(t * heads + h) * hd..][..hd];
+                    let rot = rope(head, p);
+                    for d in 0..hd {
+                        wq[(t * heads + h) * hd + d] = rot[d] * q_scale;
+                    }
+                }
+                for h in 0..kv {
+                    let rot = rope(&want[1][(t * kv + h) * hd..][..hd], p);
+                    wk[(slot * kv + h) * hd..][..hd].copy_from_slice(&rot);
+                    wv[(slot * kv + h) * hd..][..hd]
+                        .copy_from_slice(&want[2][(t * kv + h) * hd..][..hd]);
+                }
+            }
+            // The rows' slots, compared below; every other slot must still be zero.
+            let mut written = vec![false; slots * kv * hd];
+            for t in 0..m {
+                let p = pos[t] as usize;
+                let slot = tables[table_off[t] as usize + p / bs] as usize * bs + p % bs;
+                written[slot * kv * hd..][..kv * hd].fill(true);
+            }
+            let stray = gk.iter().chain(&gv).zip(written.iter().chain(&written));
+            if stray.filter(|&(&b, &w)| !w && b != 0).count() > 0 {
+                failures.push(format!(
+                    "{cb:?} m={m} {regime:?}: writes outside the rows' slots"
+                ));
+            }
+            let f32s = |c: &[u16]| -> Vec<f32> {
+                c.iter()
+                    .zip(&written)
+                    .filter(|p| *p.1)
+                    .map(|(&b, _)| half::bf16::from_bits(b).to_f32())
+                    .collect()
+            };
+            let used = |c: Vec<f32>| -> Vec<f32> {
+                c.into_iter()
+                    .zip(&written)
+                    .filter(|p| *p.1)
+                    .map(|p| p.0)
+                    .collect()
+            };
+            let (wk, wv) = (used(wk), used(wv));
+            let (rel, rms): (f64, f64) = if regime == Regime::Int8 {
+                (2e-2, 0.1)
+            } else {
+                (1e-3, 1e-2)
+            };
+            // k and v are stored as bf16 (8 bits).
+            let (rel16, rms16) = (rel.max(1e-2), rms.max(3e-2));
+            let what = |t: &str| format!("{cb:?} m={m} {regime:?} rope {t}");
+            for (got, want, what, rel, rms) in [
+                (gq, wq, what("q"), rel, rms),
+                (f32s(&gk), wk, what("k cache"), rel16, rms16),
+                (f32s(&gv), wv, what("v cache"), rel16, rms16),
+            ] {
+                if let Err(e) = check_within(&got, &want, rel, rms, &what) {
+                    failures.push(e);
+                }
+            }
+        }
+        // Rows past the epilogue's kernels: refused, nothing run.
+        let s = Exl3Scratch::for_groups(&gpu, &[(&parts[..], 64)]).unwrap();
+        let x = gpu.alloc::<u16>(32 * hidden).unwrap();
+        let rows = Rows {
+            ptr: gpu.ptr(&x),
+            bf16: true,
+            ld: hidden,
+        };
+        assert!(!Exl3Linear::forward_rope(&gpu, &s, &parts, 32, rows, &unbound).unwrap());
     }
     assert_none_failed(failures);
 }

@@ -3,6 +3,8 @@
 //! ignored here and run with `--ignored` on the GPU machine (scripts/gpu/run_cuda.sh).
 #![cfg(feature = "cuda")]
 
+mod common;
+
 use std::path::PathBuf;
 
 use trellm::backend::cuda;
@@ -206,6 +208,101 @@ fn exl3_folders_match_the_cpu_alone_and_batched() {
     for dir in exl3_tiny_folders() {
         check_batched(&dir, REL_TOL_EXL3, TIE_GAP_EXL3);
     }
+}
+
+/// An EXL3 folder with heads 128 wide, as Llama's (the tiny folders' are 64): its decode steps
+/// of up to 16 rows run RoPE and the KV write in the q/k/v launch's epilogue, which the tiny
+/// folders never reach. Made here by `trellm quantize` (3 bits, MUL1, a 6-bit head) from a
+/// 2-layer llama with seeded random weights, then checked as the tiny folders are.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --ignored on the GPU machine"]
+fn exl3_head_dim_128_matches_the_cpu_alone_and_batched() {
+    use trellm::quantize::{quantize, Calibration, Options};
+    let d = tempfile::tempdir().unwrap();
+    let (src, out) = (d.path().join("src"), d.path().join("exl3"));
+    write_llama_hd128(&src);
+    let m = trellm::model::load::load(&src).unwrap();
+    let opts = Options {
+        bits: 3.0,
+        head_bits: Some(6),
+        codebook: trellm_quant::exl3::Codebook::Mul1,
+        shard_bytes: 1 << 30,
+        stop_after: None,
+        quiet: true,
+        device: trellm::backend::Device::Cpu,
+        seed: 0,
+    };
+    let rows: Vec<Vec<u32>> = (0..4u32)
+        .map(|r| (0..64u32).map(|i| (i * 37 + r * 11 + 1) % 512).collect())
+        .collect();
+    let cal = Calibration {
+        rows,
+        asked: (4, 64),
+        text: "token rows of this test".into(),
+    };
+    quantize(&m, &out, &cal, &opts).unwrap();
+    let r = cuda::check_against_cpu(&out, 32).unwrap();
+    eprintln!(
+        "head dim 128: max rel err {:.3e}, max abs err {:.3e}, ids equal {}",
+        r.max_rel_err,
+        r.max_abs_err,
+        r.ids_equal()
+    );
+    assert!(r.max_rel_err < REL_TOL_EXL3, "{r:?}");
+    if let Some(gap) = r.gap_at_divergence {
+        assert!(gap < TIE_GAP_EXL3, "ids differ at a clear choice: {r:?}");
+    }
+    check_batched(&out, REL_TOL_EXL3, TIE_GAP_EXL3);
+}
+
+/// A 2-layer Hugging Face llama (hidden 256, two query heads and one kv head of 128, vocabulary
+/// 512) with seeded random f32 weights.
+fn write_llama_hd128(dir: &std::path::Path) {
+    let (h, inter, layers, heads, kv, hd, vocab) = (256usize, 512usize, 2, 2, 1, 128, 512);
+    let config = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": h,
+        "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv, "head_dim": hd, "vocab_size": vocab, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "max_position_embeddings": 2048, "tie_word_embeddings": false,
+        "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu"
+    });
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
+    let mut add = |name: String, shape: Vec<usize>, scale: f32| {
+        let n: usize = shape.iter().product();
+        let seed = 40 + tensors.len() as u64;
+        let v = if scale == 0.0 {
+            vec![1.0; n]
+        } else {
+            common::rand_vec(n, seed, scale)
+        };
+        tensors.push((name, shape, v));
+    };
+    add("model.embed_tokens.weight".into(), vec![vocab, h], 1.0);
+    add("model.norm.weight".into(), vec![h], 0.0);
+    add("lm_head.weight".into(), vec![vocab, h], 0.1);
+    for l in 0..layers {
+        let p = format!("model.layers.{l}.");
+        add(format!("{p}input_layernorm.weight"), vec![h], 0.0);
+        add(format!("{p}post_attention_layernorm.weight"), vec![h], 0.0);
+        add(
+            format!("{p}self_attn.q_proj.weight"),
+            vec![heads * hd, h],
+            0.1,
+        );
+        add(format!("{p}self_attn.k_proj.weight"), vec![kv * hd, h], 0.1);
+        add(format!("{p}self_attn.v_proj.weight"), vec![kv * hd, h], 0.1);
+        add(
+            format!("{p}self_attn.o_proj.weight"),
+            vec![h, heads * hd],
+            0.1,
+        );
+        add(format!("{p}mlp.gate_proj.weight"), vec![inter, h], 0.1);
+        add(format!("{p}mlp.up_proj.weight"), vec![inter, h], 0.1);
+        add(format!("{p}mlp.down_proj.weight"), vec![h, inter], 0.1);
+    }
+    common::write_safetensors(&dir.join("model.safetensors"), &tensors);
 }
 
 fn check_batched(path: &std::path::Path, tol: f64, tie_gap: f32) {

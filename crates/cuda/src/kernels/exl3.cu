@@ -444,7 +444,7 @@ __device__ __forceinline__ void stream_tiles(const u32* __restrict__ tl, long lo
 // launch: their 128-output bands side by side in blockIdx.x (bands0 of part 0, bands1 of part 1,
 // the rest part 2), their outputs side by side in y (part 1's from column rows0 on). One launch
 // instead of three: each launch costs a ramp and a tail.
-#define PART_PARAMS                                                                               \
+#define PART_BASE_PARAMS                                                                          \
     const u32 *__restrict__ t0, const u32 *__restrict__ t1, const u32 *__restrict__ t2,           \
         const float *__restrict__ suh0, const float *__restrict__ suh1,                           \
         const float *__restrict__ suh2, const float *__restrict__ svh0,                           \
@@ -452,13 +452,40 @@ __device__ __forceinline__ void stream_tiles(const u32* __restrict__ tl, long lo
         const float *__restrict__ bias0, const float *__restrict__ bias1,                         \
         const float *__restrict__ bias2, int rows0, int rows1, int rows2, int bands0, int bands1, \
         int act, bf16 *__restrict__ act_y
+#define PART_PARAMS                                                                               \
+    PART_BASE_PARAMS, const int *__restrict__ rope_pos, const float *__restrict__ rope_freq,      \
+        int rope_heads, int rope_kv, float rope_pos_scale, float rope_in_scale,                   \
+        float rope_q_scale, float *__restrict__ rope_q, bf16 *__restrict__ rope_k,                \
+        bf16 *__restrict__ rope_v, const int *__restrict__ rope_tables,                           \
+        const int *__restrict__ rope_table_off, int rope_bs
 #define PART_ARGS                                                                                  \
     t0, t1, t2, suh0, suh1, suh2, svh0, svh1, svh2, bias0, bias1, bias2, rows0, rows1, rows2,     \
-        bands0, bands1, act, act_y
+        bands0, bands1, act, act_y,                                                               \
+        RopeKv{rope_pos, rope_freq, rope_heads, rope_kv, rope_pos_scale, rope_in_scale,           \
+               rope_q_scale, rope_q, rope_k, rope_v, rope_tables, rope_table_off, rope_bs}
 
 // With act >= 0 the launch is a gated MLP's gate (part 0) and up (part 1, as wide): the last
 // block of each pair of bands writes act_y[r][c] = bf16(act(gate) * up) for the rows0 outputs
 // instead of the two layers' outputs (no second pass over them).
+//
+// With rope_heads > 0 (up to 16 rows) the launch is an attention's q (part 0), k and v (parts 1,
+// 2) with a head dimension of 128, so that a band is a head: the band's last block applies RoPE
+// (half-split, all 128 dims; pair i, i + 64 sits in lanes l, l + 16) to q and k at the row's
+// position, writes q * q_scale (f32, row stride rope_heads * 128) and k, v (bf16) into the KV
+// cache at the position's slot (through the block tables where given), as qkv_rope does after an
+// unfused launch, and writes nothing to y.
+struct RopeKv {
+    const int* pos;
+    const float* freq;
+    int heads, kv;
+    float pos_scale, in_scale, q_scale;
+    float* q;
+    bf16* k;
+    bf16* v;
+    const int* tables;
+    const int* table_off;
+    int bs;
+};
 
 // This block's part: its layer's pointers, used outputs, tile columns, band within it, and first
 // output column in y; and, for a fused MLP, the up layer's scales and the activation's output.
@@ -474,8 +501,9 @@ struct Part {
     const float* svh_up;
     const float* bias_up;
     bf16* act_y;
+    RopeKv rope;
 };
-__device__ __forceinline__ Part block_part(PART_PARAMS) {
+__device__ __forceinline__ Part block_part(PART_BASE_PARAMS, RopeKv rope) {
     const int b = blockIdx.x;
     Part p;
     if (b < bands0) {
@@ -493,6 +521,7 @@ __device__ __forceinline__ Part block_part(PART_PARAMS) {
     p.svh_up = svh1;
     p.bias_up = bias1;
     p.act_y = act_y;
+    p.rope = rope;
     return p;
 }
 
@@ -510,10 +539,53 @@ __device__ __forceinline__ void band_sum(const float* __restrict__ partial, int 
     had128(v, lane);
 }
 
+// The RoPE + KV-cache epilogue of band p.band (a head) of row r (see RopeKv): h is the band's
+// H128 output, this lane's four values 4 lane .. 4 lane + 3. The arithmetic is qkv_rope's but for
+// the angle's sin and cos (rope_sincos, as the bf16 qkv GEMV's epilogue).
+__device__ __forceinline__ void rope_kv_row(const Part& p, int r, const float (&h)[4], int lane) {
+    const RopeKv& e = p.rope;
+    const int d0 = 4 * lane, c0 = p.band * 128 + d0;
+    const int pos = e.pos[r];
+    const float pf = (float)pos * e.pos_scale;
+    // One value at a time, each stored as it is done (the epilogue runs within the main loop's
+    // register budget).
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        float o = __fmul_rn(h[i], p.svh[c0 + i]);
+        if (p.bias) o = __fadd_rn(o, p.bias[c0 + i]);
+        if (p.index == 2) {
+            e.v[(kv_slot(e.tables, e.table_off, r, pos, e.bs) * e.kv + p.band) * 128 + d0 + i] =
+                f2bf(o);
+            continue;
+        }
+        float sn, cs;
+        rope_sincos(pf * e.freq[(d0 + i) & 63], &sn, &cs);
+        const float mine = o * e.in_scale;
+        const float other = __shfl_xor_sync(FULL_MASK, mine, 16);
+        // Lanes 0-15 hold the first of each pair (x1), lanes 16-31 the second (x2).
+        float out;
+        if (lane < 16) {
+            const float x1 = mine, x2 = other;
+            out = x1 * cs - x2 * sn;
+        } else {
+            const float x1 = other, x2 = mine;
+            out = x1 * sn + x2 * cs;
+        }
+        if (p.index == 0)
+            e.q[(long long)r * e.heads * 128 + c0 + i] = out * e.q_scale;
+        else
+            e.k[(kv_slot(e.tables, e.table_off, r, pos, e.bs) * e.kv + p.band) * 128 + d0 + i] =
+                f2bf(out);
+    }
+}
+
 // After a block wrote its split's partial[split][r][band's 128 outputs] (bands of all parts side
 // by side, n columns): the band's last block to finish (a counter per band, reset by that block
 // for the next launch) sums the band's partials in split order (so runs are bit-identical),
 // rotates them back (H128), scales by its part's svh, adds the bias.
+// ROPE: whether this kernel has the RoPE + KV epilogue (the 32- and 64-row kernels do not: it
+// would make them spill at some rates; their launcher never asks for it).
+template <bool ROPE>
 __device__ __forceinline__ void finish_band(const float* __restrict__ partial,
                                             u32* __restrict__ counters, const Part& p,
                                             float* __restrict__ y, int ldy, long long n, int m) {
@@ -552,6 +624,10 @@ __device__ __forceinline__ void finish_band(const float* __restrict__ partial,
             continue;
         }
         band_sum(partial, splits, m, r, n, (long long)blockIdx.x * 128 + 4 * lane, lane, v);
+        if (ROPE && p.rope.heads > 0) {
+            rope_kv_row(p, r, v, lane);
+            continue;
+        }
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             const int c = p.band * 128 + 4 * lane + i;
@@ -652,7 +728,7 @@ __device__ __forceinline__ void mma_layer(const Part& p, const void* __restrict_
                 pp[(long long)r * n + 8] = acc[2 + h];
             }
         }
-        finish_band(partial, counters, sp, y, ldy, n, m);
+        finish_band<true>(partial, counters, sp, y, ldy, n, m);
         return;
     }
     float acc[MT][2][4];
@@ -715,7 +791,7 @@ __device__ __forceinline__ void mma_layer(const Part& p, const void* __restrict_
                 }
             }
 
-    finish_band(partial, counters, sp, y, ldy, n, m);
+    finish_band<MT == 1>(partial, counters, sp, y, ldy, n, m);
 }
 
 #define EXL3_MMA(name, MT, FULL, MIN_BLOCKS)                                                      \
@@ -822,7 +898,7 @@ exl3_q8(PART_PARAMS, const void* __restrict__ x, int x_bf16, int ldx, int cols,
         o[0] = fmaf(MUL1_A, acc0, MUL1_B * accx);
         o[8] = fmaf(MUL1_A, acc1, MUL1_B * accx);
     }
-    finish_band(partial, counters, sp, y, ldy, n, 1);
+    finish_band<true>(partial, counters, sp, y, ldy, n, 1);
 #else
     __trap();
 #endif

@@ -239,14 +239,8 @@ gemv_qkv_rope(const bf16* __restrict__ W, int k, const bf16* __restrict__ x,
         float x1 = acc[2 * q] * sc + (bias ? bias[ra] : 0.0f);
         float x2 = acc[2 * q + 1] * sc + (bias ? bias[rb] : 0.0f);
         if (!is_v && j[q] < half) {
-            // sincosf's slow path for large angles needs a stack frame; reduce by 2*pi (Cody-Waite,
-            // two parts) and use the fast intrinsic on [-pi, pi] instead.
-            const float ang = (float)p * pos_scale * inv_freq[j[q]];
-            const float kk = rintf(ang * 0.15915494309189535f);
-            float red = fmaf(-kk, 6.28318548202514648f, ang);
-            red = fmaf(-kk, -1.7484555e-7f, red);
             float sn, cs;
-            __sincosf(red, &sn, &cs);
+            rope_sincos((float)p * pos_scale * inv_freq[j[q]], &sn, &cs);
             const float y1 = x1 * in_scale, y2 = x2 * in_scale;
             x1 = y1 * cs - y2 * sn;
             x2 = y1 * sn + y2 * cs;

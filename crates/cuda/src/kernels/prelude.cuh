@@ -137,6 +137,16 @@ __device__ __forceinline__ uint4 ld_nc(const void* p) {
     return r;
 }
 
+// sin and cos of a RoPE angle in the hot kernels' epilogues: sincosf's slow path for large angles
+// needs a stack frame, so the angle is reduced by 2 pi (Cody-Waite, two parts) and the fast
+// intrinsic runs on [-pi, pi].
+__device__ __forceinline__ void rope_sincos(float ang, float* sn, float* cs) {
+    const float kk = rintf(ang * 0.15915494309189535f);
+    float red = fmaf(-kk, 6.28318548202514648f, ang);
+    red = fmaf(-kk, -1.7484555e-7f, red);
+    __sincosf(red, sn, cs);
+}
+
 // The KV-cache slot of position p of a token's sequence: through its block table (paged cache,
 // blocks of bs positions), or p itself without one (a contiguous cache).
 __device__ __forceinline__ long long kv_slot(const int* tables, const int* table_off, int t, int p,
