@@ -258,51 +258,25 @@ fn exl3_head_dim_128_matches_the_cpu_alone_and_batched() {
 /// A 2-layer Hugging Face llama (hidden 256, two query heads and one kv head of 128, vocabulary
 /// 512) with seeded random f32 weights.
 fn write_llama_hd128(dir: &std::path::Path) {
-    let (h, inter, layers, heads, kv, hd, vocab) = (256usize, 512usize, 2, 2, 1, 128, 512);
-    let config = serde_json::json!({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": h,
-        "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
-        "num_key_value_heads": kv, "head_dim": hd, "vocab_size": vocab, "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0, "max_position_embeddings": 2048, "tie_word_embeddings": false,
-        "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu"
-    });
-    std::fs::create_dir_all(dir).unwrap();
-    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
-    let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
-    let mut add = |name: String, shape: Vec<usize>, scale: f32| {
-        let n: usize = shape.iter().product();
-        let seed = 40 + tensors.len() as u64;
-        let v = if scale == 0.0 {
-            vec![1.0; n]
-        } else {
-            common::rand_vec(n, seed, scale)
-        };
-        tensors.push((name, shape, v));
+    let d = common::LlamaDims {
+        hidden: 256,
+        inter: 512,
+        layers: 2,
+        heads: 2,
+        kv: 1,
+        head_dim: 128,
+        vocab: 512,
     };
-    add("model.embed_tokens.weight".into(), vec![vocab, h], 1.0);
-    add("model.norm.weight".into(), vec![h], 0.0);
-    add("lm_head.weight".into(), vec![vocab, h], 0.1);
-    for l in 0..layers {
-        let p = format!("model.layers.{l}.");
-        add(format!("{p}input_layernorm.weight"), vec![h], 0.0);
-        add(format!("{p}post_attention_layernorm.weight"), vec![h], 0.0);
-        add(
-            format!("{p}self_attn.q_proj.weight"),
-            vec![heads * hd, h],
-            0.1,
-        );
-        add(format!("{p}self_attn.k_proj.weight"), vec![kv * hd, h], 0.1);
-        add(format!("{p}self_attn.v_proj.weight"), vec![kv * hd, h], 0.1);
-        add(
-            format!("{p}self_attn.o_proj.weight"),
-            vec![h, heads * hd],
-            0.1,
-        );
-        add(format!("{p}mlp.gate_proj.weight"), vec![inter, h], 0.1);
-        add(format!("{p}mlp.up_proj.weight"), vec![inter, h], 0.1);
-        add(format!("{p}mlp.down_proj.weight"), vec![h, inter], 0.1);
-    }
-    common::write_safetensors(&dir.join("model.safetensors"), &tensors);
+    let extra = serde_json::json!({ "rope_theta": 500000.0 });
+    common::write_llama(dir, &d, false, extra, 39, |name| {
+        if name.ends_with("norm.weight") {
+            0.0
+        } else if name == "model.embed_tokens.weight" {
+            1.0
+        } else {
+            0.1
+        }
+    });
 }
 
 fn check_batched(path: &std::path::Path, tol: f64, tie_gap: f32) {

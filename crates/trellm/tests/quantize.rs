@@ -39,60 +39,30 @@ games and a procession of boats on the river, a custom said to be as old as the 
 /// A tiny HF llama folder with seeded random weights. `scale_up` multiplies layer 0's up
 /// projection (a huge value there makes the down projection's inputs overflow to inf).
 fn tiny_model(dir: &Path, tied: bool, scale_up: f32) {
-    let (h, inter, layers, heads, kv, vocab) = (64usize, 96usize, 2usize, 4usize, 2usize, 512);
-    let hd = h / heads;
-    let config = serde_json::json!({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": h,
-        "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
-        "num_key_value_heads": kv, "vocab_size": vocab, "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0, "max_position_embeddings": 2048, "tie_word_embeddings": tied,
-        "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu"
+    let d = LlamaDims {
+        hidden: 64,
+        inter: 96,
+        layers: 2,
+        heads: 4,
+        kv: 2,
+        head_dim: 16,
+        vocab: 512,
+    };
+    let s = 1.7 / (d.hidden as f32).sqrt();
+    write_llama(dir, &d, tied, serde_json::json!({}), 100, |name| {
+        if name.ends_with("norm.weight") {
+            0.0
+        } else if name == "model.embed_tokens.weight" || name == "lm_head.weight" {
+            0.8
+        } else if name == "model.layers.0.mlp.up_proj.weight" {
+            s * scale_up
+        } else {
+            s
+        }
     });
-    std::fs::create_dir_all(dir).unwrap();
-    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
     for f in ["tokenizer.json", "tokenizer_config.json"] {
         std::fs::copy(Path::new(TOKENIZER).join(f), dir.join(f)).unwrap();
     }
-    let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
-    let mut seed = 100;
-    let mut add = |name: String, shape: Vec<usize>, scale: f32| {
-        let n = shape.iter().product();
-        seed += 1;
-        let v = if scale == 0.0 {
-            vec![1.0; n]
-        } else {
-            rand_vec(n, seed, scale)
-        };
-        tensors.push((name, shape, v));
-    };
-    add("model.embed_tokens.weight".into(), vec![vocab, h], 0.8);
-    add("model.norm.weight".into(), vec![h], 0.0);
-    if !tied {
-        add("lm_head.weight".into(), vec![vocab, h], 0.8);
-    }
-    let s = 1.7 / (h as f32).sqrt();
-    for l in 0..layers {
-        let p = format!("model.layers.{l}.");
-        add(format!("{p}input_layernorm.weight"), vec![h], 0.0);
-        add(format!("{p}post_attention_layernorm.weight"), vec![h], 0.0);
-        add(
-            format!("{p}self_attn.q_proj.weight"),
-            vec![heads * hd, h],
-            s,
-        );
-        add(format!("{p}self_attn.k_proj.weight"), vec![kv * hd, h], s);
-        add(format!("{p}self_attn.v_proj.weight"), vec![kv * hd, h], s);
-        add(
-            format!("{p}self_attn.o_proj.weight"),
-            vec![h, heads * hd],
-            s,
-        );
-        add(format!("{p}mlp.gate_proj.weight"), vec![inter, h], s);
-        let up = if l == 0 { s * scale_up } else { s };
-        add(format!("{p}mlp.up_proj.weight"), vec![inter, h], up);
-        add(format!("{p}mlp.down_proj.weight"), vec![h, inter], s);
-    }
-    write_safetensors(&dir.join("model.safetensors"), &tensors);
 }
 
 fn calib_file(dir: &Path, text: &str) -> String {

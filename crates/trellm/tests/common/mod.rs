@@ -252,6 +252,78 @@ pub fn write_tiny_llama(dir: &Path, model_type: &str, max_pos: usize) {
     write_safetensors(&dir.join("model.safetensors"), &tensors);
 }
 
+/// The sizes of a Hugging Face llama for [`write_llama`].
+pub struct LlamaDims {
+    pub hidden: usize,
+    pub inter: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv: usize,
+    pub head_dim: usize,
+    pub vocab: usize,
+}
+
+/// A Hugging Face llama folder in `dir` (`config.json` with `extra` merged in, and
+/// `model.safetensors`): tensor i seeded with `seed + i + 1`, scaled by `scale(name)`, or all ones
+/// where that is 0 (the norms); an `lm_head` only when not `tied`.
+pub fn write_llama(
+    dir: &Path,
+    d: &LlamaDims,
+    tied: bool,
+    extra: serde_json::Value,
+    seed: u64,
+    scale: impl Fn(&str) -> f32,
+) {
+    let (h, hd) = (d.hidden, d.head_dim);
+    let mut config = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": h,
+        "intermediate_size": d.inter, "num_hidden_layers": d.layers,
+        "num_attention_heads": d.heads, "num_key_value_heads": d.kv, "head_dim": hd,
+        "vocab_size": d.vocab, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "max_position_embeddings": 2048, "tie_word_embeddings": tied,
+        "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu"
+    });
+    if let (Some(c), Some(e)) = (config.as_object_mut(), extra.as_object()) {
+        c.extend(e.clone());
+    }
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let mut shapes: Vec<(String, Vec<usize>)> = vec![
+        ("model.embed_tokens.weight".into(), vec![d.vocab, h]),
+        ("model.norm.weight".into(), vec![h]),
+    ];
+    if !tied {
+        shapes.push(("lm_head.weight".into(), vec![d.vocab, h]));
+    }
+    for l in 0..d.layers {
+        let p = format!("model.layers.{l}.");
+        shapes.extend([
+            (format!("{p}input_layernorm.weight"), vec![h]),
+            (format!("{p}post_attention_layernorm.weight"), vec![h]),
+            (format!("{p}self_attn.q_proj.weight"), vec![d.heads * hd, h]),
+            (format!("{p}self_attn.k_proj.weight"), vec![d.kv * hd, h]),
+            (format!("{p}self_attn.v_proj.weight"), vec![d.kv * hd, h]),
+            (format!("{p}self_attn.o_proj.weight"), vec![h, d.heads * hd]),
+            (format!("{p}mlp.gate_proj.weight"), vec![d.inter, h]),
+            (format!("{p}mlp.up_proj.weight"), vec![d.inter, h]),
+            (format!("{p}mlp.down_proj.weight"), vec![h, d.inter]),
+        ]);
+    }
+    let tensors: Vec<(String, Vec<usize>, Vec<f32>)> = shapes
+        .into_iter()
+        .enumerate()
+        .map(|(i, (name, shape))| {
+            let n = shape.iter().product();
+            let v = match scale(&name) {
+                0.0 => vec![1.0; n],
+                s => rand_vec(n, seed + i as u64 + 1, s),
+            };
+            (name, shape, v)
+        })
+        .collect();
+    write_safetensors(&dir.join("model.safetensors"), &tensors);
+}
+
 pub fn write_safetensors(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)]) {
     let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
         .iter()
