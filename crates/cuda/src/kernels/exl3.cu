@@ -547,8 +547,9 @@ __device__ __forceinline__ void rope_kv_row(const Part& p, int r, const float (&
     const int d0 = 4 * lane, c0 = p.band * 128 + d0;
     const int pos = e.pos[r];
     const float pf = (float)pos * e.pos_scale;
-    // One value at a time, each stored as it is done (the epilogue runs within the main loop's
-    // register budget).
+    // One value at a time, each stored as it is done, the cache slot recomputed per value: the
+    // epilogue runs within the main loop's register budget (holding the slot's address across
+    // the loop spilled the 16-row kernel at K = 2, measured by the NVRTC spill check).
 #pragma unroll
     for (int i = 0; i < 4; i++) {
         float o = __fmul_rn(h[i], p.svh[c0 + i]);
