@@ -10,11 +10,13 @@
 //! - gate/up: the rank's rows of the intermediate features; down: the matching columns.
 //! - Norms, the embedding, the output head and the biases of o and down are replicated: a
 //!   backend adds those biases once, to the sum of the ranks' partial products.
+//! - EXL3 layers split only on their 128-wide Hadamard blocks (heads of 128 do; a model whose
+//!   slices would cut a block is refused with the layer named).
 
-use anyhow::{bail, ensure, Result};
+use anyhow::{ensure, Context, Result};
 
 use crate::config::QkNorm;
-use crate::weights::{LayerWeights, Linear, LinearWeight, Matrix, Weights};
+use crate::weights::{LayerWeights, Linear, LinearWeight, Weights};
 use crate::ModelConfig;
 
 /// One rank's part of a model split over `world` ranks.
@@ -112,37 +114,32 @@ impl Shard {
     }
 }
 
-fn ggml<'a>(l: &'a Linear, what: &str) -> Result<&'a Matrix> {
-    match &l.w {
-        LinearWeight::Ggml(m) => Ok(m),
-        LinearWeight::Exl3(_) => {
-            bail!("{what}: tensor parallelism over EXL3 trellises is not supported yet")
-        }
-    }
-}
-
 /// Output rows `start..start + n` (and the bias's).
 fn rows(l: &Linear, (start, n): (usize, usize), what: &str) -> Result<Linear> {
-    let m = ggml(l, what)?;
-    ensure!(
-        start + n <= m.rows,
-        "{what}: rows {start}+{n} of {}",
-        m.rows
-    );
+    let w = match &l.w {
+        LinearWeight::Ggml(m) => {
+            ensure!(
+                start + n <= m.rows,
+                "{what}: rows {start}+{n} of {}",
+                m.rows
+            );
+            LinearWeight::Ggml(m.rows_view(start, n))
+        }
+        LinearWeight::Exl3(e) => LinearWeight::Exl3(e.outputs(start, n).context(what.to_string())?),
+    };
     Ok(Linear {
-        w: LinearWeight::Ggml(m.rows_view(start, n)),
+        w,
         b: l.b.as_ref().map(|b| b[start..start + n].to_vec()),
     })
 }
 
 /// Input columns `start..start + n` (the bias, added to the ranks' sum, is kept whole).
 fn cols(l: &Linear, (start, n): (usize, usize), what: &str) -> Result<Linear> {
-    let m = ggml(l, what)?;
-    Ok(Linear {
-        w: LinearWeight::Ggml(
-            m.cols_copy(start, n)
-                .map_err(|e| e.context(what.to_string()))?,
-        ),
-        b: l.b.clone(),
-    })
+    let w = match &l.w {
+        LinearWeight::Ggml(m) => {
+            LinearWeight::Ggml(m.cols_copy(start, n).context(what.to_string())?)
+        }
+        LinearWeight::Exl3(e) => LinearWeight::Exl3(e.inputs(start, n).context(what.to_string())?),
+    };
+    Ok(Linear { w, b: l.b.clone() })
 }

@@ -149,6 +149,75 @@ impl Exl3Matrix {
     pub fn trellis(&self) -> &[u8] {
         &self.map[self.offset..self.offset + self.shape.trellis_bytes()]
     }
+
+    /// Outputs `start..start + n` as a layer of their own. The output Hadamard mixes the
+    /// outputs of a 128-block, so the slice must start on a block and end on one or at the last
+    /// output (taking the padding with it). Copied: each row of tiles holds every output's.
+    pub fn outputs(&self, start: usize, n: usize) -> Result<Exl3Matrix> {
+        let (end, pad_end) = block_slice("outputs", start, n, self.rows, self.shape.n)?;
+        let shape = Exl3Shape {
+            n: pad_end - start,
+            ..self.shape
+        };
+        let tile = self.shape.rate.tile_bytes();
+        let row = self.shape.tiles_n() * tile;
+        let trellis: Vec<u8> = self
+            .trellis()
+            .chunks_exact(row)
+            .flat_map(|r| &r[start / 16 * tile..pad_end / 16 * tile])
+            .copied()
+            .collect();
+        Exl3Matrix::from_parts(
+            shape,
+            end - start,
+            self.cols,
+            self.suh.clone(),
+            self.svh[start..pad_end].to_vec(),
+            &trellis,
+        )
+    }
+
+    /// Inputs `start..start + n`: its product is the layer's partial sum over those inputs, the
+    /// output Hadamard and scales applied (both linear, so the ranks' partials add up to the
+    /// whole). The input Hadamard mixes a 128-block of inputs: the slice starts on one and ends
+    /// on one or at the last input. A view: the trellis is stored input-major.
+    pub fn inputs(&self, start: usize, n: usize) -> Result<Exl3Matrix> {
+        let (end, pad_end) = block_slice("inputs", start, n, self.cols, self.shape.k)?;
+        let row = self.shape.tiles_n() * self.shape.rate.tile_bytes();
+        Ok(Exl3Matrix {
+            shape: Exl3Shape {
+                k: pad_end - start,
+                ..self.shape
+            },
+            cols: end - start,
+            suh: self.suh[start..pad_end].to_vec(),
+            offset: self.offset + start / 16 * row,
+            ..self.clone()
+        })
+    }
+}
+
+/// `start..start + n` of `used` features stored padded to `padded`, checked to cut no 128-wide
+/// Hadamard block: its end, and its end in the padded storage.
+fn block_slice(
+    what: &str,
+    start: usize,
+    n: usize,
+    used: usize,
+    padded: usize,
+) -> Result<(usize, usize)> {
+    let end = start + n;
+    if n == 0 || end > used {
+        bail!("EXL3 {what} {start}..{end} of {used}");
+    }
+    let pad_end = if end == used { padded } else { end };
+    if !start.is_multiple_of(128) || !pad_end.is_multiple_of(128) {
+        bail!(
+            "EXL3 {what} {start}..{end} of {used} cut a 128-wide Hadamard block \
+             (an EXL3 layer splits only at multiples of 128)"
+        );
+    }
+    Ok((end, pad_end))
 }
 
 /// A projection's weight: a ggml-format matrix or an EXL3 trellis.

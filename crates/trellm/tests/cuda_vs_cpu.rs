@@ -217,30 +217,10 @@ fn exl3_folders_match_the_cpu_alone_and_batched() {
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --ignored on the GPU machine"]
 fn exl3_head_dim_128_matches_the_cpu_alone_and_batched() {
-    use trellm::quantize::{quantize, Calibration, Options};
     let d = tempfile::tempdir().unwrap();
     let (src, out) = (d.path().join("src"), d.path().join("exl3"));
-    write_llama_hd128(&src);
-    let m = trellm::model::load::load(&src).unwrap();
-    let opts = Options {
-        bits: 3.0,
-        head_bits: Some(6),
-        codebook: trellm_quant::exl3::Codebook::Mul1,
-        shard_bytes: 1 << 30,
-        stop_after: None,
-        quiet: true,
-        device: trellm::backend::Device::Cpu,
-        seed: 0,
-    };
-    let rows: Vec<Vec<u32>> = (0..4u32)
-        .map(|r| (0..64u32).map(|i| (i * 37 + r * 11 + 1) % 512).collect())
-        .collect();
-    let cal = Calibration {
-        rows,
-        asked: (4, 64),
-        text: "token rows of this test".into(),
-    };
-    quantize(&m, &out, &cal, &opts).unwrap();
+    common::write_llama_for_exl3(&src, &HD128_ONE_KV, 39);
+    common::quantize_exl3(&src, &out, trellm_quant::exl3::Codebook::Mul1, 3.0);
     let r = cuda::check_against_cpu(&out, 32).unwrap();
     eprintln!(
         "head dim 128: max rel err {:.3e}, max abs err {:.3e}, ids equal {}",
@@ -255,29 +235,16 @@ fn exl3_head_dim_128_matches_the_cpu_alone_and_batched() {
     check_batched(&out, REL_TOL_EXL3, TIE_GAP_EXL3);
 }
 
-/// A 2-layer Hugging Face llama (hidden 256, two query heads and one kv head of 128, vocabulary
-/// 512) with seeded random f32 weights.
-fn write_llama_hd128(dir: &std::path::Path) {
-    let d = common::LlamaDims {
-        hidden: 256,
-        inter: 512,
-        layers: 2,
-        heads: 2,
-        kv: 1,
-        head_dim: 128,
-        vocab: 512,
-    };
-    let extra = serde_json::json!({ "rope_theta": 500000.0 });
-    common::write_llama(dir, &d, false, extra, 39, |name| {
-        if name.ends_with("norm.weight") {
-            0.0
-        } else if name == "model.embed_tokens.weight" {
-            1.0
-        } else {
-            0.1
-        }
-    });
-}
+/// A 2-layer llama: hidden 256, two query heads and one kv head of 128, vocabulary 512.
+const HD128_ONE_KV: common::LlamaDims = common::LlamaDims {
+    hidden: 256,
+    inter: 512,
+    layers: 2,
+    heads: 2,
+    kv: 1,
+    head_dim: 128,
+    vocab: 512,
+};
 
 fn check_batched(path: &std::path::Path, tol: f64, tie_gap: f32) {
     use trellm::backend::cpu::CpuModel;
@@ -417,7 +384,7 @@ fn device_cuda_without_a_gpu_is_a_clean_error() {
 }
 
 /// Tensor parallelism over two GPUs (NCCL) against one GPU on the tiny fixtures that split over
-/// two ranks: logits within bf16 tolerance and the same greedy ids (except at near-ties), prefill
+/// two ranks and on an EXL3 model our quantizer writes (MUL1, 3 bits, 128-wide heads): logits within bf16 tolerance and the same greedy ids (except at near-ties), prefill
 /// and decode. Needs two GPUs: run_cuda.sh skips it (`--skip multi_gpu`) on a one-GPU machine.
 #[test]
 #[ignore = "needs two NVIDIA GPUs and NCCL: run with --ignored on a multi-GPU machine"]
@@ -428,9 +395,16 @@ fn multi_gpu_two_ranks_match_one_gpu() {
         trellm_cuda::device_count().unwrap() >= 2,
         "this test needs two GPUs"
     );
+    let tmp = tempfile::tempdir().unwrap();
+    let (src, exl3) = (tmp.path().join("src"), tmp.path().join("exl3"));
+    common::write_llama_for_exl3(&src, &common::HD128_TWO_KV, 43);
+    common::quantize_exl3(&src, &exl3, trellm_quant::exl3::Codebook::Mul1, 3.0);
     let dir = fixtures();
-    for name in ["llama", "qwen2", "qwen3", "gemma3", "phi3", "starcoder2"] {
-        let m = trellm::model::load::load(&dir.join(name)).unwrap();
+    let names = ["llama", "qwen2", "qwen3", "gemma3", "phi3", "starcoder2"];
+    let paths = names.iter().map(|n| dir.join(n)).chain([exl3]);
+    for path in paths {
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        let m = trellm::model::load::load(&path).unwrap();
         let vocab = m.model.cfg.vocab;
         let prompt: Vec<u32> = (0..11u32).map(|i| (i * 31 + 3) % vocab as u32).collect();
         let one = cuda::CudaModel::new(&m.model, 64, 1).unwrap();

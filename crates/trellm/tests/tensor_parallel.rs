@@ -1,8 +1,9 @@
 //! Tensor parallelism's split on the CPU: a model sharded over simulated ranks (each rank's
 //! heads and MLP features run apart, the partial projections summed) gives the logits of the
 //! unsharded model, within the rounding of a sum split into parts, and the same greedy ids.
-//! Models that do not split (too few kv heads, a q/k norm over all heads, blocks that a column
-//! slice would cut) are refused with a clear error.
+//! EXL3 layers split on their 128-wide Hadamard blocks. Models that do not split (too few kv
+//! heads, a q/k norm over all heads, blocks that a slice would cut) are refused with a clear
+//! error.
 
 mod common;
 
@@ -39,8 +40,10 @@ fn argmax(v: &[f32]) -> u32 {
 /// Sharded over `world` against unsharded: the largest logit difference relative to the
 /// logits' scale, and whether every greedy id agrees.
 fn compare(path: &Path, world: usize, prompt: &[u32], steps: usize) -> (f32, bool) {
-    let lm = load(path).unwrap();
-    let full: &CpuModel = &lm.model;
+    compare_model(&load(path).unwrap().model, world, prompt, steps)
+}
+
+fn compare_model(full: &CpuModel, world: usize, prompt: &[u32], steps: usize) -> (f32, bool) {
     let vocab = full.cfg.vocab;
     // The unsharded model's greedy continuation.
     let mut ids = Vec::new();
@@ -119,6 +122,49 @@ fn three_ranks_match_one_on_smollm2() {
     );
 }
 
+/// An EXL3 model our quantizer writes (2 layers, four 128-wide query heads over two kv heads, 512
+/// MLP features; MUL1 at 3 bits and 3INST at 2.5), over two ranks: q/k/v and gate/up by whole
+/// 128-output Hadamard blocks, o and down by 128-input ones, each rank's partial product with
+/// the output Hadamard and scales applied. On the exact path, and on MUL1's int16 activations:
+/// those round per 16 inputs, so a rank's slice rounds as the whole does, but each product ends
+/// in `A s + B` with A s ~ -B (MUL1's offset times the activations' sum), and that cancellation
+/// in f32 per rank instead of once costs more than a plain split sum.
+#[test]
+fn two_ranks_match_one_on_exl3_models() {
+    use trellm::backend::cpu::Exl3Activations;
+    use trellm_quant::exl3::Codebook;
+    let d = tempfile::tempdir().unwrap();
+    let src = d.path().join("src");
+    common::write_llama_for_exl3(&src, &common::HD128_TWO_KV, 41);
+    let prompt: Vec<u32> = (0..13).map(|i| (i * 53 + 7) % 512).collect();
+    let mut checked = Vec::new();
+    for (codebook, bits) in [(Codebook::Mul1, 3.0), (Codebook::Inst3, 2.5)] {
+        let out = d.path().join(format!("{codebook:?}-{bits}"));
+        common::quantize_exl3(&src, &out, codebook, bits);
+        let mut lm = load(&out).unwrap();
+        for acts in [Exl3Activations::Exact, Exl3Activations::Int16] {
+            std::sync::Arc::get_mut(&mut lm.model)
+                .unwrap()
+                .exl3_activations = acts;
+            let (worst, same) = compare_model(&lm.model, 2, &prompt, 8);
+            let bound = match acts {
+                Exl3Activations::Exact => 1e-5,
+                Exl3Activations::Int16 => 2e-4,
+            };
+            assert!(
+                worst < bound && same,
+                "{codebook:?} {bits} {acts:?}: sharded logits differ by {worst:e} of their \
+                 scale (same greedy ids: {same})"
+            );
+            checked.push(format!("{codebook:?} {bits} {acts:?} {worst:.1e}"));
+        }
+    }
+    eprintln!(
+        "EXL3 over two ranks, largest relative logit difference: {}",
+        checked.join(", ")
+    );
+}
+
 #[test]
 fn models_that_do_not_split_are_refused_clearly() {
     let err = |name: &str, world: usize| {
@@ -140,6 +186,20 @@ fn models_that_do_not_split_are_refused_clearly() {
         .map(|e| format!("{e:#}"))
         .unwrap_or_default();
     assert!(e.contains("kv heads"), "{e}");
+    // exllamav3's tiny conversion has 64-wide heads: one rank's k would cut a Hadamard block.
+    let exl3 = PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tests/fixtures/exl3/tiny-llama/mcg-2.0"
+    ));
+    let lm = load(&exl3).unwrap();
+    let e = ShardedCpu::new(&lm.model, 2)
+        .err()
+        .map(|e| format!("{e:#}"))
+        .unwrap_or_default();
+    assert!(
+        e.contains("layer 0 k") && e.contains("Hadamard block"),
+        "{e}"
+    );
 }
 
 /// `trellm generate --tensor-parallel 2` (simulated ranks on the CPU) prints the tokens of the

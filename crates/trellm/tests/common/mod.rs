@@ -324,6 +324,60 @@ pub fn write_llama(
     write_safetensors(&dir.join("model.safetensors"), &tensors);
 }
 
+/// A 2-layer llama that splits over two ranks on EXL3's 128-wide blocks: hidden 256, four query
+/// heads of 128 over two kv heads, 512 MLP features, vocabulary 512.
+pub const HD128_TWO_KV: LlamaDims = LlamaDims {
+    hidden: 256,
+    inter: 512,
+    layers: 2,
+    heads: 4,
+    kv: 2,
+    head_dim: 128,
+    vocab: 512,
+};
+
+/// An EXL3 folder `out` that our quantizer writes from the HF folder `src` (head at 6 bits,
+/// calibrated on 4 seeded rows of 64 tokens).
+pub fn quantize_exl3(src: &Path, out: &Path, codebook: trellm_quant::exl3::Codebook, bits: f64) {
+    use trellm::quantize::{quantize, Calibration, Options};
+    let m = trellm::model::load::load(src).unwrap();
+    let vocab = m.model.cfg.vocab as u32;
+    let rows: Vec<Vec<u32>> = (0..4u32)
+        .map(|r| (0..64u32).map(|i| (i * 37 + r * 11 + 1) % vocab).collect())
+        .collect();
+    let cal = Calibration {
+        rows,
+        asked: (4, 64),
+        text: "token rows of this test".into(),
+    };
+    let opts = Options {
+        bits,
+        head_bits: Some(6),
+        codebook,
+        shard_bytes: 1 << 30,
+        stop_after: None,
+        quiet: true,
+        device: trellm::backend::Device::Cpu,
+        seed: 0,
+    };
+    quantize(&m, out, &cal, &opts).unwrap();
+}
+
+/// A seeded llama of `d` in `dir` at the weight scales the EXL3 tests quantize (norms and
+/// embedding 1, the rest 0.1; RoPE theta 500000).
+pub fn write_llama_for_exl3(dir: &Path, d: &LlamaDims, seed: u64) {
+    let extra = serde_json::json!({ "rope_theta": 500000.0 });
+    write_llama(dir, d, false, extra, seed, |name| {
+        if name.ends_with("norm.weight") {
+            0.0
+        } else if name == "model.embed_tokens.weight" {
+            1.0
+        } else {
+            0.1
+        }
+    });
+}
+
 pub fn write_safetensors(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)]) {
     let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
         .iter()
