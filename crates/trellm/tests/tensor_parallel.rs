@@ -167,35 +167,28 @@ fn two_ranks_match_one_on_exl3_models() {
 
 #[test]
 fn models_that_do_not_split_are_refused_clearly() {
-    let err = |name: &str, world: usize| {
-        let lm = load(&fixture(name)).unwrap();
+    let refusal = |path: &Path, world: usize| {
+        let lm = load(path).unwrap();
         match ShardedCpu::new(&lm.model, world) {
-            Ok(_) => panic!("{name} over {world} ranks was accepted"),
+            Ok(_) => panic!("{} over {world} ranks was accepted", path.display()),
             Err(e) => format!("{e:#}"),
         }
     };
+    let err = |name: &str, world: usize| refusal(&fixture(name), world);
     assert!(err("gemma", 2).contains("kv heads"), "{}", err("gemma", 2));
     assert!(err("olmo2", 2).contains("q/k norm"), "{}", err("olmo2", 2));
     assert!(err("llama", 4).contains("kv heads"), "{}", err("llama", 4));
     assert!(err("llama", 0).contains("0 ranks"), "{}", err("llama", 0));
     // SmolLM2 (Q4_1, 32-value blocks) over 9 ranks would need a 3-kv-head split: refused; over
     // 3 it splits (tested above).
-    let lm = load(&common::model_path("smollm2-135m-instruct")).unwrap();
-    let e = ShardedCpu::new(&lm.model, 9)
-        .err()
-        .map(|e| format!("{e:#}"))
-        .unwrap_or_default();
+    let e = refusal(&common::model_path("smollm2-135m-instruct"), 9);
     assert!(e.contains("kv heads"), "{e}");
     // exllamav3's tiny conversion has 64-wide heads: one rank's k would cut a Hadamard block.
     let exl3 = PathBuf::from(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/../../tests/fixtures/exl3/tiny-llama/mcg-2.0"
     ));
-    let lm = load(&exl3).unwrap();
-    let e = ShardedCpu::new(&lm.model, 2)
-        .err()
-        .map(|e| format!("{e:#}"))
-        .unwrap_or_default();
+    let e = refusal(&exl3, 2);
     assert!(
         e.contains("layer 0 k") && e.contains("Hadamard block"),
         "{e}"

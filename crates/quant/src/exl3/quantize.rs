@@ -335,39 +335,35 @@ fn cholesky(a: &mut [f64], k: usize) -> Result<(), usize> {
         });
         // A22 -= L21 L21^T over the lower triangle: block column c0..c1, rows c0..k.
         let base = a.as_mut_ptr() as usize;
-        (j1..k)
-            .step_by(NB)
-            .collect::<Vec<_>>()
-            .into_par_iter()
-            .for_each(|c0| {
-                let c1 = (c0 + NB).min(k);
-                let p = base as *mut f64;
-                // SAFETY: each task writes only columns c0..c1 of rows c0..k (tasks disjoint) and
-                // reads columns j0..j1 < c0 of rows c0..k, which no task writes; all within `a`.
-                unsafe {
-                    gemm::gemm(
-                        k - c0,
-                        c1 - c0,
-                        j1 - j0,
-                        p.add(c0 * k + c0),
-                        1,
-                        k as isize,
-                        true,
-                        p.add(c0 * k + j0),
-                        1,
-                        k as isize,
-                        p.add(c0 * k + j0),
-                        k as isize,
-                        1,
-                        1.0,
-                        -1.0,
-                        false,
-                        false,
-                        false,
-                        gemm::Parallelism::None,
-                    );
-                }
-            });
+        (j1..k).into_par_iter().step_by(NB).for_each(|c0| {
+            let c1 = (c0 + NB).min(k);
+            let p = base as *mut f64;
+            // SAFETY: each task writes only columns c0..c1 of rows c0..k (tasks disjoint) and
+            // reads columns j0..j1 < c0 of rows c0..k, which no task writes; all within `a`.
+            unsafe {
+                gemm::gemm(
+                    k - c0,
+                    c1 - c0,
+                    j1 - j0,
+                    p.add(c0 * k + c0),
+                    1,
+                    k as isize,
+                    true,
+                    p.add(c0 * k + j0),
+                    1,
+                    k as isize,
+                    p.add(c0 * k + j0),
+                    k as isize,
+                    1,
+                    1.0,
+                    -1.0,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::None,
+                );
+            }
+        });
     }
     for i in 0..k {
         a[i * k + i + 1..(i + 1) * k].fill(0.0);
@@ -503,7 +499,6 @@ pub fn quantize_layer_with(
             .for_each(|v| *v = 0.0);
     }
     let h = prepare_h(h, k, opts.sigma_reg, &mut warnings);
-    let w_src = wr.clone();
 
     // Output signs and channel scales (RMS over inputs, mean-normalised; all-zero columns get
     // scale 0 so they decode to 0).
@@ -643,7 +638,7 @@ pub fn quantize_layer_with(
     };
     // The scales refitted to the codes chosen (the codes stay; the scales are free to move).
     let (suh, svh) = match &h {
-        Some(hx) => refit_scales(&w_src, hx, &q, suh, svh, k, n),
+        Some(hx) => refit_scales(w, hx, &q, suh, svh, k, n),
         None => (suh, svh),
     };
     Ok(QuantizedLayer {
@@ -712,7 +707,11 @@ fn refit_scales(
     k: usize,
     n: usize,
 ) -> (Vec<f16>, Vec<f16>) {
-    let w: Vec<f64> = w.iter().map(|&v| v as f64).collect();
+    // Non-finite weights were quantized as 0.
+    let w: Vec<f64> = w
+        .iter()
+        .map(|&v| if v.is_finite() { v as f64 } else { 0.0 })
+        .collect();
     let mut v = q.to_vec();
     v.par_chunks_mut(n).for_each(hadamard128);
     hadamard_cols(&mut v, k, n);
