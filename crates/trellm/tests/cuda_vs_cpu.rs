@@ -385,7 +385,8 @@ fn device_cuda_without_a_gpu_is_a_clean_error() {
 
 /// Tensor parallelism over two GPUs (NCCL) against one GPU on the tiny fixtures that split over
 /// two ranks and on an EXL3 model our quantizer writes (MUL1, 3 bits, 128-wide heads): logits
-/// within bf16 tolerance and the same greedy ids (except at near-ties), prefill and decode. Needs two GPUs: run_cuda.sh skips it (`--skip multi_gpu`) on a one-GPU machine.
+/// within bf16 tolerance and the same greedy ids (except at near-ties), prefill and decode. Needs
+/// two GPUs: run_cuda.sh skips it (`--skip multi_gpu`) on a one-GPU machine.
 #[test]
 #[ignore = "needs two NVIDIA GPUs and NCCL: run with --ignored on a multi-GPU machine"]
 fn multi_gpu_two_ranks_match_one_gpu() {

@@ -552,14 +552,11 @@ pub fn quantize_layer_with(
     let svh: Vec<f16> = sv.iter().map(|&v| f16::from_f32(v)).collect();
 
     // H in the inner frame: H S H_x S H.
-    let h_inner = h.clone().map(|mut hx| {
+    let h_inner = h.as_ref().map(|hx| {
         let s: Vec<f64> = suh.iter().map(|v| v.to_f64()).collect();
-        for i in 0..k {
-            for j in 0..k {
-                hx[i * k + j] *= s[i] * s[j];
-            }
-        }
-        let mut f: Vec<f32> = hx.iter().map(|&v| v as f32).collect();
+        let mut f: Vec<f32> = (0..k * k)
+            .map(|i| (hx[i] * (s[i / k] * s[i % k])) as f32)
+            .collect();
         f.par_chunks_mut(k).for_each(hadamard128);
         hadamard_cols(&mut f, k, k);
         f.iter().map(|&v| v as f64).collect::<Vec<f64>>()
