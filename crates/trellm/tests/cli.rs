@@ -113,3 +113,20 @@ fn stats_go_to_stderr() {
     );
     assert!(!out.contains("tokens-per-sec"));
 }
+
+#[test]
+fn llama_cpp_spellings_of_the_token_limit_match_max_tokens() {
+    let greedy = |flag: &str| {
+        let (code, out, err) = run(&[
+            "generate", "--prompt", "Hi", "--temp", "0", flag, "5", "--json",
+        ]);
+        assert_eq!(code, 0, "{flag}: {err}");
+        let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+        (v["ids"].clone(), v["text"].clone())
+    };
+    let want = greedy("--max-tokens");
+    assert_eq!(want.0.as_array().map(Vec::len), Some(5));
+    for flag in ["-m", "-n", "--n-predict"] {
+        assert_eq!(greedy(flag), want, "{flag}");
+    }
+}

@@ -20,8 +20,14 @@ pub struct ChatArgs {
     /// System prompt for the conversation.
     #[arg(long, visible_alias = "system-prompt")]
     pub system: Option<String>,
-    /// Maximum tokens per reply.
-    #[arg(long, short = 'm', default_value_t = 256)]
+    /// Maximum tokens per reply (`-n` / `--n-predict` as llama.cpp spells it).
+    #[arg(
+        long,
+        short = 'm',
+        short_alias = 'n',
+        visible_alias = "n-predict",
+        default_value_t = 256
+    )]
     pub max_tokens: usize,
     #[command(flatten)]
     pub sampling: SamplingArgs,

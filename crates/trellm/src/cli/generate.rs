@@ -34,10 +34,12 @@ pub struct GenerateArgs {
     /// Use the prompt as is, without the chat template.
     #[arg(long, visible_alias = "ignore-chat-template")]
     pub raw: bool,
-    /// Maximum tokens to generate.
+    /// Maximum tokens to generate (`-n` / `--n-predict` as llama.cpp spells it).
     #[arg(
         long,
         short = 'm',
+        short_alias = 'n',
+        visible_alias = "n-predict",
         default_value_t = 100,
         allow_negative_numbers = true
     )]
