@@ -483,3 +483,22 @@ fn structured_output_and_tools_through_the_openai_client() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+#[test]
+fn tool_use_through_the_anthropic_client() {
+    let srv = serve(&[]);
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/server/anthropic_tools.py"
+    );
+    let out = Command::new(python())
+        .args([script, &srv.base, "smollm2-135m-instruct"])
+        .output()
+        .expect("python with the anthropic package (see the module docs)");
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -13,9 +13,9 @@ use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio_stream::wrappers::UnboundedReceiverStream;
-use trellm_tokenizer::ChatMessage;
 
 use super::api::{collect, invalid_sampling, parse, request_id, start, ApiError, ChoiceUpdate};
+use super::tools::{self, CallFilter, InMessage, ToolCall, Tools};
 use super::{authorized, AppState};
 use crate::engine::{FinishReason, Request, SamplerParams};
 
@@ -23,14 +23,8 @@ use crate::engine::{FinishReason, Request, SamplerParams};
 #[serde(untagged)]
 enum Content {
     Text(String),
-    Blocks(Vec<Block>),
-}
-
-#[derive(Deserialize, Debug)]
-struct Block {
-    #[serde(rename = "type")]
-    kind: String,
-    text: Option<String>,
+    /// Content blocks, read by their `type` (text, tool_use, tool_result, thinking).
+    Blocks(Vec<Value>),
 }
 
 #[derive(Deserialize, Debug)]
@@ -40,12 +34,81 @@ struct Message {
     content: Content,
 }
 
+/// What both endpoints read: the conversation, its tools and output options.
 #[derive(Deserialize, Debug)]
-#[serde(deny_unknown_fields)]
-struct MessagesRequest {
+struct Conversation {
     model: String,
     messages: Vec<Message>,
     system: Option<Content>,
+    tools: Option<Vec<Value>>,
+    tool_choice: Option<Value>,
+    /// `format`: structured output (a JSON schema the reply follows); `effort`: no effect here.
+    output_config: Option<Value>,
+    /// Accepted so clients that always send it work; this server's models answer without a
+    /// thinking block.
+    thinking: Option<Value>,
+    /// No effect: the prefix cache reuses every prompt's blocks without markers.
+    #[allow(dead_code)]
+    cache_control: Option<Value>,
+    #[allow(dead_code)]
+    service_tier: Option<Value>,
+    #[allow(dead_code)]
+    speed: Option<Value>,
+}
+
+impl Conversation {
+    /// The OpenAI `response_format` that `output_config.format` asks for.
+    fn response_format(&self) -> Result<Option<Value>, ApiError> {
+        let Some(c) = &self.output_config else {
+            return Ok(None);
+        };
+        if let Some(e) = c.get("effort").filter(|e| !e.is_null()) {
+            if !matches!(
+                e.as_str(),
+                Some("low" | "medium" | "high" | "xhigh" | "max")
+            ) {
+                return Err(ApiError::invalid(
+                    "output_config.effort must be low, medium, high, xhigh or max",
+                ));
+            }
+        }
+        match c.get("format") {
+            None | Some(Value::Null) => Ok(None),
+            Some(f)
+                if kind(f) == "json_schema" && f.get("schema").is_some_and(Value::is_object) =>
+            {
+                Ok(Some(json!({"type": "json_schema",
+                    "json_schema": {"name": "output", "schema": f["schema"]}})))
+            }
+            Some(_) => Err(ApiError::invalid(
+                "output_config.format must be {\"type\": \"json_schema\", \"schema\": {...}}",
+            )),
+        }
+    }
+
+    fn check_thinking(&self) -> Result<(), ApiError> {
+        match &self.thinking {
+            None => Ok(()),
+            Some(t)
+                if matches!(
+                    kind(t),
+                    "enabled" | "disabled" | "adaptive" | "between_tools"
+                ) =>
+            {
+                Ok(())
+            }
+            Some(_) => Err(ApiError::invalid(
+                "thinking.type must be enabled, disabled, adaptive or between_tools",
+            )),
+        }
+    }
+}
+
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+struct MessagesRequest {
+    #[serde(flatten)]
+    conversation: Conversation,
     max_tokens: usize,
     stop_sequences: Option<Vec<String>>,
     temperature: Option<f32>,
@@ -59,49 +122,99 @@ struct MessagesRequest {
 #[derive(Deserialize, Debug)]
 #[serde(deny_unknown_fields)]
 struct CountRequest {
-    model: String,
-    messages: Vec<Message>,
-    system: Option<Content>,
+    #[serde(flatten)]
+    conversation: Conversation,
 }
 
+/// A block's `type`.
+fn kind(b: &Value) -> &str {
+    b.get("type").and_then(Value::as_str).unwrap_or("")
+}
+
+fn unsupported(k: &str) -> ApiError {
+    ApiError::invalid(format!("content blocks of type '{k}' are not supported"))
+}
+
+/// The text of a system prompt or a tool result: a string or text blocks.
 fn text_of(c: Content) -> Result<String, ApiError> {
     match c {
         Content::Text(t) => Ok(t),
         Content::Blocks(b) => b
-            .into_iter()
-            .map(|b| match (b.kind.as_str(), b.text) {
+            .iter()
+            .map(|b| match (kind(b), b.get("text").and_then(Value::as_str)) {
                 ("text", Some(t)) => Ok(t),
-                (k, _) => Err(ApiError::invalid(format!(
-                    "content blocks of type '{k}' are not supported"
-                ))),
+                (k, _) => Err(unsupported(k)),
             })
             .collect::<Result<Vec<_>, _>>()
             .map(|v| v.concat()),
     }
 }
 
-fn prompt(
-    s: &AppState,
-    model: &str,
+/// Anthropic's tools as the OpenAI function tools the chat machinery reads.
+fn openai_tools(list: &[Value]) -> Result<Value, ApiError> {
+    let mut out = Vec::new();
+    for (i, t) in list.iter().enumerate() {
+        if let Some(k) = t
+            .get("type")
+            .and_then(Value::as_str)
+            .filter(|&k| k != "custom")
+        {
+            return Err(ApiError::invalid(format!(
+                "tools.{i}: server tools ('{k}') are not supported; only client tools with an input_schema"
+            )));
+        }
+        let Some(name) = t.get("name").and_then(Value::as_str) else {
+            return Err(ApiError::invalid(format!(
+                "tools.{i}: a tool needs a 'name'"
+            )));
+        };
+        let Some(schema) = t.get("input_schema").filter(|v| v.is_object()) else {
+            return Err(ApiError::invalid(format!(
+                "tools.{i}.input_schema: a JSON schema object is required"
+            )));
+        };
+        let mut f = json!({"name": name, "parameters": schema});
+        if let Some(d) = t.get("description") {
+            f["description"] = d.clone();
+        }
+        out.push(json!({"type": "function", "function": f}));
+    }
+    Ok(Value::Array(out))
+}
+
+/// Anthropic's `tool_choice` (auto, any, tool, none) as OpenAI's.
+fn openai_choice(c: &Value) -> Result<Value, ApiError> {
+    match (kind(c), c.get("name").and_then(Value::as_str)) {
+        ("auto", _) => Ok(json!("auto")),
+        ("any", _) => Ok(json!("required")),
+        ("none", _) => Ok(json!("none")),
+        ("tool", Some(n)) => Ok(json!({"type": "function", "function": {"name": n}})),
+        _ => Err(ApiError::invalid(
+            "tool_choice must be {\"type\": \"auto\" | \"any\" | \"none\"} or {\"type\": \"tool\", \"name\": ...}",
+        )),
+    }
+}
+
+/// The conversation as the chat machinery's messages: an assistant turn's `tool_use` blocks
+/// become its tool calls, a user turn's `tool_result` blocks tool turns (before its text).
+/// Thinking blocks of earlier turns are dropped (this model does not read them back).
+fn in_messages(
     system: Option<Content>,
     messages: Vec<Message>,
-) -> Result<Vec<u32>, ApiError> {
-    if model != s.model_name {
-        return Err(ApiError::new(
-            axum::http::StatusCode::NOT_FOUND,
-            "not_found_error",
-            format!("model: {model} (this server serves '{}')", s.model_name),
-        ));
-    }
-    if messages.is_empty() {
-        return Err(ApiError::invalid(
-            "messages: at least one message is required",
-        ));
-    }
-    let mut chat = Vec::new();
+) -> Result<Vec<InMessage>, ApiError> {
+    let msg = |role: &str, content: String| InMessage {
+        role: role.to_string(),
+        content,
+        tool_calls: None,
+        tool_call_id: None,
+        name: None,
+    };
+    let mut out = Vec::new();
     if let Some(sys) = system {
-        chat.push(ChatMessage::new("system", text_of(sys)?));
+        out.push(msg("system", text_of(sys)?));
     }
+    // Tool names by call id, for the results that answer them.
+    let mut names = std::collections::HashMap::new();
     for m in messages {
         if m.role != "user" && m.role != "assistant" {
             return Err(ApiError::invalid(format!(
@@ -109,11 +222,97 @@ fn prompt(
                 m.role
             )));
         }
-        chat.push(ChatMessage::new(m.role, text_of(m.content)?));
+        let blocks = match m.content {
+            Content::Text(t) => {
+                out.push(msg(&m.role, t));
+                continue;
+            }
+            Content::Blocks(b) => b,
+        };
+        let mut text = String::new();
+        let mut calls = Vec::new();
+        for b in blocks {
+            match (m.role.as_str(), kind(&b)) {
+                (_, "text") => match b.get("text").and_then(Value::as_str) {
+                    Some(t) => text.push_str(t),
+                    None => return Err(ApiError::invalid("a text block needs its 'text'")),
+                },
+                ("assistant", "thinking" | "redacted_thinking") => {}
+                ("assistant", "tool_use") => {
+                    let (Some(id), Some(name)) = (
+                        b.get("id").and_then(Value::as_str),
+                        b.get("name").and_then(Value::as_str),
+                    ) else {
+                        return Err(ApiError::invalid("a tool_use block needs 'id' and 'name'"));
+                    };
+                    names.insert(id.to_string(), name.to_string());
+                    let input = b.get("input").cloned().unwrap_or_else(|| json!({}));
+                    calls.push(json!({"id": id, "type": "function",
+                        "function": {"name": name, "arguments": input}}));
+                }
+                ("user", "tool_result") => {
+                    let Some(id) = b.get("tool_use_id").and_then(Value::as_str) else {
+                        return Err(ApiError::invalid(
+                            "a tool_result block needs its 'tool_use_id'",
+                        ));
+                    };
+                    let content = match b.get("content") {
+                        None | Some(Value::Null) => String::new(),
+                        Some(c) => text_of(serde_json::from_value(c.clone()).map_err(|_| {
+                            ApiError::invalid("a tool_result's content is a string or text blocks")
+                        })?)?,
+                    };
+                    out.push(InMessage {
+                        tool_call_id: Some(id.to_string()),
+                        name: names.get(id).cloned(),
+                        ..msg("tool", content)
+                    });
+                }
+                (_, k) => return Err(unsupported(k)),
+            }
+        }
+        if !calls.is_empty() {
+            out.push(InMessage {
+                tool_calls: Some(Value::Array(calls)),
+                ..msg("assistant", text)
+            });
+        } else if !text.is_empty() || out.last().is_none_or(|l| l.role != "tool") {
+            out.push(msg(&m.role, text));
+        }
     }
-    s.model
-        .chat_prompt(&chat)
-        .map_err(|e| ApiError::invalid(e.to_string()))
+    Ok(out)
+}
+
+/// A request's prompt ids and the tools in play.
+async fn prompt(
+    s: &Arc<AppState>,
+    c: Conversation,
+) -> Result<(Vec<u32>, tools::ChatPlan), ApiError> {
+    if c.model != s.model_name {
+        return Err(ApiError::new(
+            axum::http::StatusCode::NOT_FOUND,
+            "not_found_error",
+            format!("model: {} (this server serves '{}')", c.model, s.model_name),
+        ));
+    }
+    if c.messages.is_empty() {
+        return Err(ApiError::invalid(
+            "messages: at least one message is required",
+        ));
+    }
+    let tool_list = c.tools.as_deref().map(openai_tools).transpose()?;
+    let tool_choice = c.tool_choice.as_ref().map(openai_choice).transpose()?;
+    c.check_thinking()?;
+    let format = c.response_format()?;
+    let plan = tools::plan(s, format.as_ref(), tool_list.as_ref(), tool_choice.as_ref()).await?;
+    let messages = in_messages(c.system, c.messages)?;
+    let ids = tools::chat_ids(s, messages, plan.tools.as_ref(), None)?;
+    Ok((ids, plan))
+}
+
+fn tool_use(c: &ToolCall) -> Value {
+    let input: Value = serde_json::from_str(&c.arguments).unwrap_or_else(|_| json!({}));
+    json!({"type": "tool_use", "id": request_id("toolu_"), "name": c.name, "input": input})
 }
 
 /// Anthropic counts cache reads apart from `input_tokens`.
@@ -139,9 +338,12 @@ pub async fn count_tokens(
     if !authorized(&s, &headers) {
         return ApiError::unauthorized().anthropic();
     }
-    let r = parse::<CountRequest>(&body).and_then(|r| prompt(&s, &r.model, r.system, r.messages));
+    let r = match parse::<CountRequest>(&body) {
+        Ok(r) => prompt(&s, r.conversation).await,
+        Err(e) => Err(e),
+    };
     match r {
-        Ok(ids) => axum::Json(json!({"input_tokens": ids.len()})).into_response(),
+        Ok((ids, _)) => axum::Json(json!({"input_tokens": ids.len()})).into_response(),
         Err(e) => e.anthropic(),
     }
 }
@@ -160,9 +362,99 @@ fn event(name: &str, v: Value) -> Result<SseEvent, Infallible> {
     Ok(SseEvent::default().event(name).data(v.to_string()))
 }
 
+type Sender = tokio::sync::mpsc::UnboundedSender<Result<SseEvent, Infallible>>;
+
+/// A streamed message's content blocks: the text block opens with its first text, each tool
+/// call is a `tool_use` block of its own after it. Sends fail only once the client has gone.
+struct Blocks {
+    tx: Sender,
+    next: usize,
+    text_open: bool,
+}
+
+impl Blocks {
+    fn send(&self, name: &str, v: Value) -> Result<(), ()> {
+        self.tx.send(event(name, v)).map_err(|_| ())
+    }
+
+    fn text(&mut self, t: &str) -> Result<(), ()> {
+        if !self.text_open {
+            self.send(
+                "content_block_start",
+                json!({"type": "content_block_start", "index": self.next, "content_block": {"type": "text", "text": ""}}),
+            )?;
+            self.text_open = true;
+        }
+        if t.is_empty() {
+            return Ok(());
+        }
+        self.send(
+            "content_block_delta",
+            json!({"type": "content_block_delta", "index": self.next, "delta": {"type": "text_delta", "text": t}}),
+        )
+    }
+
+    fn close_text(&mut self) -> Result<(), ()> {
+        if self.text_open {
+            self.send(
+                "content_block_stop",
+                json!({"type": "content_block_stop", "index": self.next}),
+            )?;
+            self.text_open = false;
+            self.next += 1;
+        }
+        Ok(())
+    }
+
+    fn call(&mut self, c: &ToolCall) -> Result<(), ()> {
+        self.close_text()?;
+        let mut block = tool_use(c);
+        block["input"] = json!({});
+        let i = self.next;
+        self.send(
+            "content_block_start",
+            json!({"type": "content_block_start", "index": i, "content_block": block}),
+        )?;
+        self.send(
+            "content_block_delta",
+            json!({"type": "content_block_delta", "index": i, "delta": {"type": "input_json_delta", "partial_json": c.arguments}}),
+        )?;
+        self.send(
+            "content_block_stop",
+            json!({"type": "content_block_stop", "index": i}),
+        )?;
+        self.next += 1;
+        Ok(())
+    }
+
+    /// The rest of the text, the calls, and the message's end. A message without calls keeps
+    /// its text block, if empty.
+    fn end(
+        &mut self,
+        text: &str,
+        calls: &[ToolCall],
+        usage: Value,
+        reason: &str,
+        seq: Option<String>,
+    ) -> Result<(), ()> {
+        if !text.is_empty() || calls.is_empty() {
+            self.text(text)?;
+        }
+        self.close_text()?;
+        for c in calls {
+            self.call(c)?;
+        }
+        self.send(
+            "message_delta",
+            json!({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq}, "usage": usage}),
+        )?;
+        self.send("message_stop", json!({"type": "message_stop"}))
+    }
+}
+
 async fn run(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
     let r: MessagesRequest = parse(body)?;
-    let ids = prompt(&s, &r.model, r.system, r.messages)?;
+    let (ids, plan) = prompt(&s, r.conversation).await?;
     let cfg = &s.model.model.cfg;
     if r.max_tokens == 0 || ids.len() + r.max_tokens > cfg.max_context {
         return Err(ApiError::invalid(format!(
@@ -189,19 +481,33 @@ async fn run(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
         sampler,
         eos_ids: s.model.eos_ids(),
         stop: r.stop_sequences.unwrap_or_default(),
+        constraint: plan.constraint,
         ..Default::default()
     };
+    let call_tools: Option<Tools> = plan.tools;
     let id = request_id("msg_");
     let input = ids.len();
     if !r.stream.unwrap_or(false) {
         let c = collect(&s.worker, vec![req]).await?.remove(0);
-        let (reason, seq) = stop_reason(c.reason.as_ref().unwrap_or(&FinishReason::Length));
+        let (text, calls) = match &call_tools {
+            Some(t) => tools::parse_calls(&c.text, t),
+            None => (c.text, Vec::new()),
+        };
+        let (reason, seq) = match calls.is_empty() {
+            true => stop_reason(c.reason.as_ref().unwrap_or(&FinishReason::Length)),
+            false => ("tool_use", None),
+        };
+        let mut content = Vec::new();
+        if !text.is_empty() || calls.is_empty() {
+            content.push(json!({"type": "text", "text": text}));
+        }
+        content.extend(calls.iter().map(tool_use));
         return Ok(axum::Json(json!({
             "id": id,
             "type": "message",
             "role": "assistant",
             "model": s.model_name,
-            "content": [{"type": "text", "text": c.text}],
+            "content": content,
             "stop_reason": reason,
             "stop_sequence": seq,
             "usage": usage(input, c.cached, c.steps.len()),
@@ -212,73 +518,63 @@ async fn run(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
     let (tx, out) = tokio::sync::mpsc::unbounded_channel();
     let name = s.model_name.clone();
     tokio::spawn(async move {
-        let head = [
-            event(
+        let mut b = Blocks {
+            tx,
+            next: 0,
+            text_open: false,
+        };
+        let head = b
+            .send(
                 "message_start",
                 json!({"type": "message_start", "message": {
                     "id": id, "type": "message", "role": "assistant", "model": name,
                     "content": [], "stop_reason": null, "stop_sequence": null,
                     "usage": {"input_tokens": input, "output_tokens": 0, "cache_read_input_tokens": 0},
                 }}),
-            ),
-            event(
-                "content_block_start",
-                json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
-            ),
-            event("ping", json!({"type": "ping"})),
-        ];
-        for e in head {
-            if tx.send(e).is_err() {
-                return;
-            }
-        }
-        let delta = |t: &str| {
-            event(
-                "content_block_delta",
-                json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": t}}),
             )
-        };
+            .and_then(|_| b.send("ping", json!({"type": "ping"})));
+        if head.is_err() {
+            return;
+        }
+        // With tools, text that may be a call is held back until the message ends.
+        let mut filter = CallFilter::default();
         let mut output = 0usize;
         while let Some((_, u)) = rx.recv().await {
             match u {
-                ChoiceUpdate::Token { text, .. } => {
+                ChoiceUpdate::Token { mut text, .. } => {
                     output += 1;
-                    if !text.is_empty() && tx.send(delta(&text)).is_err() {
+                    if call_tools.is_some() {
+                        text = filter.push(&text);
+                    }
+                    if !text.is_empty() && b.text(&text).is_err() {
                         return;
                     }
                 }
                 ChoiceUpdate::Done {
                     reason,
-                    text,
+                    mut text,
                     cached,
                 } => {
-                    if !text.is_empty() && tx.send(delta(&text)).is_err() {
-                        return;
+                    let mut calls = Vec::new();
+                    if let Some(t) = &call_tools {
+                        let pushed = filter.push(&text);
+                        let (rest, found) = filter.finish(t);
+                        text = pushed + &rest;
+                        calls = found;
                     }
-                    let (reason, seq) = stop_reason(&reason);
-                    let tail = [
-                        event(
-                            "content_block_stop",
-                            json!({"type": "content_block_stop", "index": 0}),
-                        ),
-                        event(
-                            "message_delta",
-                            json!({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq}, "usage": usage(input, cached, output)}),
-                        ),
-                        event("message_stop", json!({"type": "message_stop"})),
-                    ];
-                    for e in tail {
-                        if tx.send(e).is_err() {
-                            return;
-                        }
-                    }
+                    let (reason, seq) = match calls.is_empty() {
+                        true => stop_reason(&reason),
+                        false => ("tool_use", None),
+                    };
+                    // Failing here means the client has gone: nothing is left to do.
+                    let _ = b.end(&text, &calls, usage(input, cached, output), reason, seq);
                     return;
                 }
                 ChoiceUpdate::Failed(e) => {
-                    let _ = tx.send(event(
+                    let _ = b.send(
                         "error",
                         json!({"type": "error", "error": {"type": e.kind, "message": e.message}}),
-                    ));
+                    );
                     return;
                 }
             }

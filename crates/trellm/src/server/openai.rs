@@ -14,7 +14,6 @@ use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio_stream::wrappers::UnboundedReceiverStream;
-use trellm_tokenizer::ChatMessage;
 
 use super::api::{
     collect, invalid_sampling, parse, request_id, start, ApiError, Choice, ChoiceUpdate, OneOrMany,
@@ -361,21 +360,7 @@ async fn chat(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
         ))
         .param("chat_template_kwargs"));
     }
-    let prompt = if kwargs.is_some() || tools::needs_json_render(&messages, plan.tools.as_ref()) {
-        let tok = s
-            .model
-            .tokenizer()
-            .map_err(|e| ApiError::invalid(e.to_string()))?;
-        tools::prompt_with_tools(tok, &messages, plan.tools.as_ref(), kwargs)?
-    } else {
-        let messages: Vec<ChatMessage> = messages
-            .into_iter()
-            .map(|m| ChatMessage::new(m.role, m.content))
-            .collect();
-        s.model
-            .chat_prompt(&messages)
-            .map_err(|e| ApiError::invalid(e.to_string()).param("messages"))?
-    };
+    let prompt = tools::chat_ids(&s, messages, plan.tools.as_ref(), kwargs)?;
     let top = r.top_logprobs.unwrap_or(0);
     if top > MAX_TOP_LOGPROBS {
         return Err(

@@ -542,6 +542,30 @@ pub fn prompt_with_tools(
         .map_err(|e| ApiError::invalid(e.to_string()).param("messages"))
 }
 
+/// A conversation's prompt ids: through the template's JSON rendering where tools or tool turns
+/// (or `chat_template_kwargs`) are in play, else the plain chat prompt.
+pub fn chat_ids(
+    s: &super::AppState,
+    messages: Vec<InMessage>,
+    tools: Option<&Tools>,
+    kwargs: Option<&serde_json::Map<String, Value>>,
+) -> Result<Vec<u32>, ApiError> {
+    if kwargs.is_some() || needs_json_render(&messages, tools) {
+        let tok = s
+            .model
+            .tokenizer()
+            .map_err(|e| ApiError::invalid(e.to_string()))?;
+        return prompt_with_tools(tok, &messages, tools, kwargs);
+    }
+    let messages: Vec<trellm_tokenizer::ChatMessage> = messages
+        .into_iter()
+        .map(|m| trellm_tokenizer::ChatMessage::new(m.role, m.content))
+        .collect();
+    s.model
+        .chat_prompt(&messages)
+        .map_err(|e| ApiError::invalid(e.to_string()).param("messages"))
+}
+
 /// A finished choice's `message` and, when it called tools, the finish reason `tool_calls`.
 pub fn chat_message(text: &str, tools: Option<&Tools>) -> (Value, Option<&'static str>) {
     if let Some(t) = tools {
