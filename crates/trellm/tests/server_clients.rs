@@ -141,21 +141,26 @@ fn generate_greedy() -> String {
     v["text"].as_str().unwrap().to_string()
 }
 
-#[test]
-fn official_clients_talk_to_the_server() {
-    let expected = generate_greedy();
+/// Runs `tests/server/SCRIPT BASE_URL MODEL EXTRA...` against a fresh server; it must exit 0.
+fn client_script(script: &str, extra: &[&str]) {
     let srv = serve(&[]);
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/server/clients.py");
+    let path = format!("{}/tests/server/{script}", env!("CARGO_MANIFEST_DIR"));
     let out = Command::new(python())
-        .args([script, &srv.base, "smollm2-135m-instruct", &expected])
+        .args([path.as_str(), &srv.base, "smollm2-135m-instruct"])
+        .args(extra)
         .output()
         .expect("python with the openai and anthropic packages (see the module docs)");
     assert!(
         out.status.success(),
-        "{}\n{}",
+        "{script}\n{}\n{}",
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+#[test]
+fn official_clients_talk_to_the_server() {
+    client_script("clients.py", &[&generate_greedy()]);
 }
 
 #[test]
@@ -470,35 +475,10 @@ fn sixty_four_streaming_clients_each_get_what_they_get_alone() {
 
 #[test]
 fn structured_output_and_tools_through_the_openai_client() {
-    let srv = serve(&[]);
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/server/structured.py");
-    let out = Command::new(python())
-        .args([script, &srv.base, "smollm2-135m-instruct"])
-        .output()
-        .expect("python with the openai package (see the module docs)");
-    assert!(
-        out.status.success(),
-        "{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    client_script("structured.py", &[]);
 }
 
 #[test]
 fn tool_use_through_the_anthropic_client() {
-    let srv = serve(&[]);
-    let script = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/server/anthropic_tools.py"
-    );
-    let out = Command::new(python())
-        .args([script, &srv.base, "smollm2-135m-instruct"])
-        .output()
-        .expect("python with the anthropic package (see the module docs)");
-    assert!(
-        out.status.success(),
-        "{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    client_script("anthropic_tools.py", &[]);
 }
