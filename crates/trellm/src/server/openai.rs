@@ -103,12 +103,19 @@ struct ChatRequest {
     store: Option<bool>,
 }
 
+/// `/v1/completions`' prompt: one text or token list, or a batch of either (each prompt's `n`
+/// choices follow the previous prompt's, as OpenAI numbers them).
 #[derive(Deserialize, Debug)]
 #[serde(untagged)]
 enum Prompt {
     Text(String),
     Ids(Vec<u32>),
+    Texts(Vec<String>),
+    IdLists(Vec<Vec<u32>>),
 }
+
+/// The most prompts one completions request may batch.
+const MAX_PROMPTS: usize = 64;
 
 #[derive(Deserialize, Debug)]
 #[serde(deny_unknown_fields)]
@@ -571,35 +578,52 @@ fn completion_logprobs(s: &AppState, c: &Choice, top: usize) -> Value {
 async fn completion(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
     let r: CompletionRequest = parse(body)?;
     check_model(&s, &r.model)?;
-    let prompt = match &r.prompt {
-        Prompt::Ids(ids) => ids.clone(),
-        Prompt::Text(t) => {
-            let tok = s
-                .model
-                .tokenizer()
-                .map_err(|e| ApiError::invalid(e.to_string()))?;
-            tok.encode(t, true)
-                .map_err(|e| ApiError::invalid(e.to_string()).param("prompt"))?
-        }
+    // Each prompt's ids and, with `echo`, its text.
+    let encode = |t: &String| -> Result<(Vec<u32>, String), ApiError> {
+        let tok = s
+            .model
+            .tokenizer()
+            .map_err(|e| ApiError::invalid(e.to_string()))?;
+        let ids = tok
+            .encode(t, true)
+            .map_err(|e| ApiError::invalid(e.to_string()).param("prompt"))?;
+        Ok((ids, t.clone()))
     };
-    if prompt.is_empty() {
+    let prompts: Vec<(Vec<u32>, String)> = match &r.prompt {
+        Prompt::Ids(ids) => vec![(ids.clone(), String::new())],
+        Prompt::Text(t) => vec![encode(t)?],
+        Prompt::IdLists(l) => l.iter().map(|ids| (ids.clone(), String::new())).collect(),
+        Prompt::Texts(l) => l.iter().map(encode).collect::<Result<_, _>>()?,
+    };
+    if prompts.is_empty() || prompts.len() > MAX_PROMPTS {
+        return Err(
+            ApiError::invalid(format!("prompt takes 1..={MAX_PROMPTS} prompts")).param("prompt"),
+        );
+    }
+    if prompts.iter().any(|(ids, _)| ids.is_empty()) {
         return Err(ApiError::invalid("the prompt is empty").param("prompt"));
     }
     let top = r.logprobs.unwrap_or(0);
     if top > 5 {
         return Err(ApiError::invalid("logprobs must be at most 5").param("logprobs"));
     }
-    let reqs = r.sampling.requests(
-        &s,
-        prompt.clone(),
-        top.max(usize::from(r.logprobs.is_some())),
-    )?;
+    let mut reqs = Vec::new();
+    for (ids, _) in &prompts {
+        reqs.extend(r.sampling.requests(
+            &s,
+            ids.clone(),
+            top.max(usize::from(r.logprobs.is_some())),
+        )?);
+    }
+    let n = reqs.len() / prompts.len();
+    let prompt_tokens: usize = prompts.iter().map(|(ids, _)| ids.len()).sum();
+    // Choice i's echo: its prompt's text when asked for.
+    let echo: Vec<String> = match r.echo.unwrap_or(false) {
+        true => prompts.into_iter().map(|(_, t)| t).collect(),
+        false => vec![String::new(); prompts.len()],
+    };
     let id = request_id("cmpl-");
     let created = unix_time();
-    let echo = match (&r.prompt, r.echo.unwrap_or(false)) {
-        (Prompt::Text(t), true) => t.clone(),
-        _ => String::new(),
-    };
     if r.sampling.stream() {
         let mut rx = start(&s.worker, reqs)?;
         let include_usage = r.sampling.include_usage();
@@ -612,8 +636,8 @@ async fn completion(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError>
             let mut echoed = std::collections::HashSet::new();
             while let Some((i, u)) = rx.recv().await {
                 let mut text = String::new();
-                if !echo.is_empty() && echoed.insert(i) {
-                    text.push_str(&echo);
+                if echoed.insert(i) {
+                    text.push_str(&echo[i / n]);
                 }
                 let msg = match u {
                     ChoiceUpdate::Token { text: t, .. } => {
@@ -647,7 +671,7 @@ async fn completion(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError>
                 }
             }
             let mut u = chunk(json!([]));
-            u["usage"] = usage(prompt.len(), completion, cached);
+            u["usage"] = usage(prompt_tokens, completion, cached);
             end_stream(&tx, include_usage.then_some(u));
         });
         return Ok(Sse::new(UnboundedReceiverStream::new(out)).into_response());
@@ -660,7 +684,7 @@ async fn completion(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError>
         .map(|(i, c)| {
             json!({
                 "index": i,
-                "text": format!("{echo}{}", c.text),
+                "text": format!("{}{}", echo[i / n], c.text),
                 "logprobs": r.logprobs.map(|_| completion_logprobs(&s, c, top)),
                 "finish_reason": c.reason.as_ref().map(openai_reason),
             })
@@ -672,7 +696,7 @@ async fn completion(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError>
         "created": created,
         "model": s.model_name,
         "choices": out,
-        "usage": usage(prompt.len(), completion, cached(&choices)),
+        "usage": usage(prompt_tokens, completion, cached(&choices)),
     }))
     .into_response())
 }

@@ -72,6 +72,23 @@ ps = "".join(ch.choices[0].text for ch in oa.completions.create(
     if ch.choices)
 assert ps == p.choices[0].text, (ps, p.choices[0].text)
 
+# A batch of prompts (texts, or token lists), n each: choices prompt by prompt, each as alone.
+other = "Water boils at"
+alone = oa.completions.create(model=model, prompt=other, max_tokens=8, temperature=0)
+bb = oa.completions.create(model=model, prompt=["The capital of France is", other], n=2,
+                           max_tokens=8, temperature=0, echo=True)
+assert [c.index for c in bb.choices] == [0, 1, 2, 3], bb.choices
+texts = [c.text for c in bb.choices]
+want = ["The capital of France is" + p.choices[0].text] * 2 + [other + alone.choices[0].text] * 2
+assert texts == want, (texts, want)
+assert bb.usage.prompt_tokens == p.usage.prompt_tokens + alone.usage.prompt_tokens, bb.usage
+streamed = {}
+for ch in oa.completions.create(model=model, prompt=[[1, 504, 3458], [1, 504]], max_tokens=4,
+                                temperature=0, stream=True):
+    for c in ch.choices:
+        streamed[c.index] = streamed.get(c.index, "") + c.text
+assert sorted(streamed) == [0, 1], streamed
+
 # Errors arrive as the client's own exception types.
 for bad, exc in [
     (dict(model="no-such-model"), openai.NotFoundError),
