@@ -474,6 +474,11 @@ fn sixty_four_streaming_clients_each_get_what_they_get_alone() {
 }
 
 #[test]
+fn the_responses_api_through_the_openai_client() {
+    client_script("responses.py", &[&generate_greedy()]);
+}
+
+#[test]
 fn structured_output_and_tools_through_the_openai_client() {
     client_script("structured.py", &[]);
 }

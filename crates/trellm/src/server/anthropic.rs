@@ -14,8 +14,8 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
-use super::api::{collect, invalid_sampling, parse, request_id, start, ApiError, ChoiceUpdate};
-use super::tools::{self, CallFilter, InMessage, ToolCall, Tools};
+use super::api::{collect, invalid_sampling, parse, request_id, start, ApiError};
+use super::tools::{self, InMessage, ToolCall, Tools};
 use super::{authorized, AppState};
 use crate::engine::{FinishReason, Request, SamplerParams};
 
@@ -202,13 +202,7 @@ fn in_messages(
     system: Option<Content>,
     messages: Vec<Message>,
 ) -> Result<Vec<InMessage>, ApiError> {
-    let msg = |role: &str, content: String| InMessage {
-        role: role.to_string(),
-        content,
-        tool_calls: None,
-        tool_call_id: None,
-        name: None,
-    };
+    let msg = InMessage::new;
     let mut out = Vec::new();
     if let Some(sys) = system {
         out.push(msg("system", text_of(sys)?));
@@ -370,6 +364,8 @@ struct Blocks {
     tx: Sender,
     next: usize,
     text_open: bool,
+    /// Prompt tokens (the usage at the end).
+    input: usize,
 }
 
 impl Blocks {
@@ -452,6 +448,41 @@ impl Blocks {
     }
 }
 
+impl tools::ReplySink for Blocks {
+    fn text(&mut self, t: &str) -> Result<(), ()> {
+        Blocks::text(self, t)
+    }
+
+    fn done(
+        &mut self,
+        text: &str,
+        calls: &[ToolCall],
+        reason: FinishReason,
+        cached: usize,
+        generated: usize,
+    ) {
+        let (reason, seq) = match calls.is_empty() {
+            true => stop_reason(&reason),
+            false => ("tool_use", None),
+        };
+        // Failing here means the client has gone: nothing is left to do.
+        let _ = self.end(
+            text,
+            calls,
+            usage(self.input, cached, generated),
+            reason,
+            seq,
+        );
+    }
+
+    fn failed(&mut self, e: ApiError) {
+        let _ = self.send(
+            "error",
+            json!({"type": "error", "error": {"type": e.kind, "message": e.message}}),
+        );
+    }
+}
+
 async fn run(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
     let r: MessagesRequest = parse(body)?;
     let (ids, plan) = prompt(&s, r.conversation).await?;
@@ -514,7 +545,7 @@ async fn run(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
         }))
         .into_response());
     }
-    let mut rx = start(&s.worker, vec![req])?;
+    let rx = start(&s.worker, vec![req])?;
     let (tx, out) = tokio::sync::mpsc::unbounded_channel();
     let name = s.model_name.clone();
     tokio::spawn(async move {
@@ -522,6 +553,7 @@ async fn run(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
             tx,
             next: 0,
             text_open: false,
+            input,
         };
         let head = b
             .send(
@@ -536,49 +568,7 @@ async fn run(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
         if head.is_err() {
             return;
         }
-        // With tools, text that may be a call is held back until the message ends.
-        let mut filter = CallFilter::default();
-        let mut output = 0usize;
-        while let Some((_, u)) = rx.recv().await {
-            match u {
-                ChoiceUpdate::Token { mut text, .. } => {
-                    output += 1;
-                    if call_tools.is_some() {
-                        text = filter.push(&text);
-                    }
-                    if !text.is_empty() && b.text(&text).is_err() {
-                        return;
-                    }
-                }
-                ChoiceUpdate::Done {
-                    reason,
-                    mut text,
-                    cached,
-                } => {
-                    let mut calls = Vec::new();
-                    if let Some(t) = &call_tools {
-                        let pushed = filter.push(&text);
-                        let (rest, found) = filter.finish(t);
-                        text = pushed + &rest;
-                        calls = found;
-                    }
-                    let (reason, seq) = match calls.is_empty() {
-                        true => stop_reason(&reason),
-                        false => ("tool_use", None),
-                    };
-                    // Failing here means the client has gone: nothing is left to do.
-                    let _ = b.end(&text, &calls, usage(input, cached, output), reason, seq);
-                    return;
-                }
-                ChoiceUpdate::Failed(e) => {
-                    let _ = b.send(
-                        "error",
-                        json!({"type": "error", "error": {"type": e.kind, "message": e.message}}),
-                    );
-                    return;
-                }
-            }
-        }
+        tools::drive_reply(rx, call_tools.as_ref(), &mut b).await;
     });
     Ok(Sse::new(UnboundedReceiverStream::new(out)).into_response())
 }

@@ -1,5 +1,5 @@
-//! `trellm serve`: OpenAI- and Anthropic-compatible HTTP endpoints over one engine, on tokio +
-//! axum. Handlers parse and validate a request, turn it into engine requests (one per choice),
+//! `trellm serve`: OpenAI- (chat completions, completions, responses) and Anthropic-compatible
+//! (messages) HTTP endpoints over one engine, on tokio + axum. Handlers parse and validate a request, turn it into engine requests (one per choice),
 //! and stream or collect the engine's events; the engine thread (`worker`) batches every running
 //! request into each step.
 //!
@@ -10,6 +10,7 @@ mod anthropic;
 mod api;
 mod metrics;
 mod openai;
+mod responses;
 mod tools;
 mod worker;
 
@@ -70,6 +71,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models", get(openai::models))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/completions", post(openai::completions))
+        .route("/v1/responses", post(responses::create))
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/metrics", get(metrics))

@@ -226,7 +226,7 @@ impl Sampling {
     }
 }
 
-fn check_model(s: &AppState, model: &Option<String>) -> Result<(), ApiError> {
+pub(super) fn check_model(s: &AppState, model: &Option<String>) -> Result<(), ApiError> {
     match model {
         Some(m) if m != &s.model_name && !m.is_empty() => Err(ApiError::new(
             axum::http::StatusCode::NOT_FOUND,

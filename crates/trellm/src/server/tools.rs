@@ -260,6 +260,19 @@ pub struct InMessage {
     pub name: Option<String>,
 }
 
+impl InMessage {
+    /// A plain message (no tool fields).
+    pub fn new(role: &str, content: String) -> Self {
+        InMessage {
+            role: role.to_string(),
+            content,
+            tool_calls: None,
+            tool_call_id: None,
+            name: None,
+        }
+    }
+}
+
 /// The messages as the template's JSON input. With `tools` the template cannot render, the
 /// definitions join the system message, past calls become `<tool_call>` text and tool results
 /// `<tool_response>` user turns.
@@ -456,6 +469,66 @@ impl CallFilter {
     pub fn finish(&mut self, tools: &Tools) -> (String, Vec<ToolCall>) {
         let held = std::mem::take(&mut self.held);
         parse_calls(&held, tools)
+    }
+}
+
+/// Where a streamed reply of one choice goes (the Anthropic and Responses streams). `text` fails
+/// once the client has gone.
+pub trait ReplySink {
+    fn text(&mut self, t: &str) -> Result<(), ()>;
+    /// The reply's rest of text and its calls (`generated`: tokens it took).
+    fn done(
+        &mut self,
+        text: &str,
+        calls: &[ToolCall],
+        reason: crate::engine::FinishReason,
+        cached: usize,
+        generated: usize,
+    );
+    fn failed(&mut self, e: ApiError);
+}
+
+/// Drives one choice's updates into `sink`: text as it comes, except what may be a tool call
+/// (held back to the end, where [`parse_calls`] decides), then the rest and the calls.
+pub async fn drive_reply(
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<(usize, super::api::ChoiceUpdate)>,
+    tools: Option<&Tools>,
+    sink: &mut impl ReplySink,
+) {
+    use super::api::ChoiceUpdate;
+    let mut filter = CallFilter::default();
+    let mut generated = 0usize;
+    while let Some((_, u)) = rx.recv().await {
+        match u {
+            ChoiceUpdate::Token { mut text, .. } => {
+                generated += 1;
+                if tools.is_some() {
+                    text = filter.push(&text);
+                }
+                if !text.is_empty() && sink.text(&text).is_err() {
+                    return;
+                }
+            }
+            ChoiceUpdate::Done {
+                reason,
+                mut text,
+                cached,
+            } => {
+                let mut calls = Vec::new();
+                if let Some(t) = tools {
+                    let pushed = filter.push(&text);
+                    let (rest, found) = filter.finish(t);
+                    text = pushed + &rest;
+                    calls = found;
+                }
+                sink.done(&text, &calls, reason, cached, generated);
+                return;
+            }
+            ChoiceUpdate::Failed(e) => {
+                sink.failed(e);
+                return;
+            }
+        }
     }
 }
 
