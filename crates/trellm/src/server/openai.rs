@@ -7,7 +7,7 @@ use std::convert::Infallible;
 use std::sync::Arc;
 
 use axum::body::Bytes;
-use axum::extract::State;
+use axum::extract::{Path, State};
 use axum::http::HeaderMap;
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
@@ -305,15 +305,63 @@ fn cached(choices: &[Choice]) -> usize {
     choices.iter().map(|c| c.cached).max().unwrap_or(0)
 }
 
-pub async fn models(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Response {
-    if !authorized(&s, &headers) {
-        return ApiError::unauthorized().openai();
+/// Whether the caller speaks Anthropic's API (its clients send `anthropic-version`): `/v1/models`
+/// answers in that API's shapes and envelopes then.
+fn anthropic_caller(headers: &HeaderMap) -> bool {
+    headers.contains_key("anthropic-version")
+}
+
+fn model_entry(s: &AppState, anthropic: bool) -> Value {
+    match anthropic {
+        true => json!({"type": "model", "id": s.model_name, "display_name": s.model_name,
+            "created_at": super::rfc3339(s.created)}),
+        false => {
+            json!({"id": s.model_name, "object": "model", "created": s.created, "owned_by": "trellm"})
+        }
     }
-    axum::Json(json!({
-        "object": "list",
-        "data": [{"id": s.model_name, "object": "model", "created": s.created, "owned_by": "trellm"}],
-    }))
+}
+
+pub async fn models(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    let anthropic = anthropic_caller(&headers);
+    if !authorized(&s, &headers) {
+        let e = ApiError::unauthorized();
+        return if anthropic { e.anthropic() } else { e.openai() };
+    }
+    let data = [model_entry(&s, anthropic)];
+    axum::Json(match anthropic {
+        true => json!({"data": data, "has_more": false, "first_id": s.model_name, "last_id": s.model_name}),
+        false => json!({"object": "list", "data": data}),
+    })
     .into_response()
+}
+
+/// `GET /v1/models/{id}`.
+pub async fn model(
+    State(s): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    let anthropic = anthropic_caller(&headers);
+    let e = if !authorized(&s, &headers) {
+        ApiError::unauthorized()
+    } else if id != s.model_name {
+        ApiError::new(
+            axum::http::StatusCode::NOT_FOUND,
+            "not_found_error",
+            format!(
+                "the model '{id}' does not exist; this server serves '{}'",
+                s.model_name
+            ),
+        )
+        .param("model")
+    } else {
+        return axum::Json(model_entry(&s, anthropic)).into_response();
+    };
+    if anthropic {
+        e.anthropic()
+    } else {
+        e.openai()
+    }
 }
 
 pub async fn chat_completions(

@@ -13,8 +13,19 @@ oa = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
 an = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0)
 question = [{"role": "user", "content": "What is the capital of France?"}]
 
-# /v1/models
+# /v1/models, in each API's shapes (Anthropic's clients send anthropic-version).
 assert [m.id for m in oa.models.list().data] == [model]
+assert oa.models.retrieve(model).id == model
+assert [m.id for m in an.models.list().data] == [model]
+am = an.models.retrieve(model)
+assert am.id == model and am.type == "model" and am.created_at.year >= 2024, am
+for call, exc in [(lambda: oa.models.retrieve("nope"), openai.NotFoundError),
+                  (lambda: an.models.retrieve("nope"), anthropic.NotFoundError)]:
+    try:
+        call()
+        raise AssertionError("no error for an unknown model")
+    except exc:
+        pass
 
 # Greedy chat equals `trellm generate` for the same messages.
 r = oa.chat.completions.create(model=model, messages=question, max_tokens=24, temperature=0)
