@@ -19,7 +19,7 @@ use std::path::Path;
 
 pub use bytes::TokenBytes;
 pub use stream::StreamDecoder;
-pub use template::ChatMessage;
+pub use template::{strftime, ChatMessage};
 
 use spm::Spm;
 use template::ChatTemplate;

@@ -378,7 +378,9 @@ fn strftime_now(fmt: String) -> String {
     strftime(&fmt, secs)
 }
 
-pub(crate) fn strftime(fmt: &str, unix_secs: i64) -> String {
+/// `unix_secs` (UTC) formatted as C's `strftime` does the directives templates use (`%Y`, `%m`,
+/// `%d`, `%H`, `%M`, `%S`, month and day names, ...).
+pub fn strftime(fmt: &str, unix_secs: i64) -> String {
     const MONTHS: [&str; 12] = [
         "January",
         "February",

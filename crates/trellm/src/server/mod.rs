@@ -66,23 +66,7 @@ pub fn unix_time() -> u64 {
 
 /// `secs` after the Unix epoch as RFC 3339 UTC (`2026-12-06T03:04:05Z`).
 pub fn rfc3339(secs: u64) -> String {
-    let (days, rem) = (secs / 86_400, secs % 86_400);
-    // Civil date from days since 1970-01-01 (proleptic Gregorian, eras of 400 years).
-    let z = days as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
-        rem / 3600,
-        rem / 60 % 60,
-        rem % 60
-    )
+    trellm_tokenizer::strftime("%Y-%m-%dT%H:%M:%SZ", secs as i64)
 }
 
 /// The router over a started engine.
