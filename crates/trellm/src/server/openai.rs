@@ -101,6 +101,17 @@ struct ChatRequest {
     metadata: Option<Value>,
     #[allow(dead_code)]
     store: Option<bool>,
+    // What tunes OpenAI's service or its reasoning models: nothing here.
+    #[allow(dead_code)]
+    service_tier: Option<Value>,
+    #[allow(dead_code)]
+    prompt_cache_key: Option<String>,
+    #[allow(dead_code)]
+    safety_identifier: Option<String>,
+    #[allow(dead_code)]
+    reasoning_effort: Option<Value>,
+    #[allow(dead_code)]
+    verbosity: Option<Value>,
 }
 
 /// `/v1/completions`' prompt: one text or token list, or a batch of either (each prompt's `n`

@@ -41,6 +41,12 @@ k = oa.chat.completions.create(model=model, messages=question, max_tokens=24, te
                                extra_body={"chat_template_kwargs": {"enable_thinking": False}})
 assert k.choices[0].message.content == expected, (k.choices[0].message.content, expected)
 
+# Fields that tune OpenAI's service or reasoning models are accepted and change nothing.
+k = oa.chat.completions.create(model=model, messages=question, max_tokens=24, temperature=0,
+                               service_tier="auto", prompt_cache_key="k", safety_identifier="u",
+                               reasoning_effort="low", verbosity="low")
+assert k.choices[0].message.content == expected, (k.choices[0].message.content, expected)
+
 # Streaming: a role chunk, deltas, a finish chunk, a usage chunk, [DONE] (the client stops there).
 chunks = list(oa.chat.completions.create(
     model=model, messages=question, max_tokens=24, temperature=0, stream=True,
