@@ -109,6 +109,9 @@ fn chat_tools(list: &[Value]) -> Result<Value, ApiError> {
             }
             None => return Err(bad("tools", format!("tools[{i}] needs a 'type'"))),
         }
+        if !t.get("name").is_some_and(Value::is_string) {
+            return Err(bad("tools", format!("tools[{i}] needs a 'name'")));
+        }
         let mut f = json!({});
         for key in ["name", "description", "parameters"] {
             if let Some(v) = t.get(key).filter(|v| !v.is_null()) {
