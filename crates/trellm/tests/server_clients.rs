@@ -487,3 +487,40 @@ fn structured_output_and_tools_through_the_openai_client() {
 fn tool_use_through_the_anthropic_client() {
     client_script("anthropic_tools.py", &[]);
 }
+
+#[test]
+fn ctx_size_caps_every_endpoint_and_is_checked() {
+    for bad in ["0", "100000000"] {
+        let out = trellm()
+            .args(["serve", "--port", "0", "--ctx-size", bad])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains("--ctx-size"), "{err}");
+    }
+    let srv = serve(&["-c", "48"]);
+    let msg = r#"[{"role":"user","content":"hi"}]"#;
+    for (path, body) in [
+        (
+            "/v1/chat/completions",
+            format!(r#"{{"messages":{msg},"max_tokens":30}}"#),
+        ),
+        (
+            "/v1/responses",
+            r#"{"input":"hi","max_output_tokens":30}"#.to_string(),
+        ),
+        (
+            "/v1/messages",
+            format!(r#"{{"model":"smollm2-135m-instruct","messages":{msg},"max_tokens":30}}"#),
+        ),
+    ] {
+        let (status, text) = http(srv.port, "POST", path, body.as_bytes());
+        assert!(
+            status == 400 && text.contains("48 tokens"),
+            "{path}: {status} {text}"
+        );
+    }
+    let ok = format!(r#"{{"messages":{msg},"max_tokens":8}}"#);
+    let (status, text) = http(srv.port, "POST", "/v1/chat/completions", ok.as_bytes());
+    assert_eq!(status, 200, "{text}");
+}

@@ -1,9 +1,10 @@
 //! `trellm serve`: the HTTP server (`crate::server`) over one loaded model.
 
 use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 
 use super::{DeviceArgs, ModelArgs};
@@ -25,6 +26,10 @@ pub struct ServeArgs {
     /// Requests running at once (more wait their turn).
     #[arg(long, default_value_t = 16)]
     pub max_seqs: usize,
+    /// The longest prompt + reply a request may have, in tokens (default: the model's own context;
+    /// at most that).
+    #[arg(long, short = 'c', visible_alias = "max-model-len")]
+    pub ctx_size: Option<usize>,
     /// Memory for the KV cache, e.g. 2G, 512M or a byte count.
     #[arg(long, default_value = "2G")]
     pub kv_memory: String,
@@ -88,11 +93,23 @@ pub fn run(a: ServeArgs) -> Result<()> {
         max_waiting: a.max_queue,
         grace: Duration::from_secs(a.shutdown_grace),
     };
-    let (model_args, kv_memory, max_seqs) = (a.model, a.kv_memory, a.max_seqs);
+    let (model_args, kv_memory, max_seqs, ctx_size) =
+        (a.model, a.kv_memory, a.max_seqs, a.ctx_size);
     let tensor_parallel = a.device.tensor_parallel;
     serve(
         move || {
-            let m = model_args.load()?;
+            let mut m = model_args.load()?;
+            if let Some(n) = ctx_size {
+                let own = m.model.cfg.max_context;
+                if n == 0 || n > own {
+                    bail!("--ctx-size {n}: must be from 1 to the model's context of {own} tokens");
+                }
+                // Nothing else holds the model yet; every length check reads this field.
+                Arc::get_mut(&mut m.model)
+                    .context("the model is shared before serving")?
+                    .cfg
+                    .max_context = n;
+            }
             let block = m.model.block_bytes(crate::backend::BLOCK_SIZE);
             let kv_blocks = kv_bytes / block.max(1);
             if kv_blocks == 0 {
