@@ -54,6 +54,15 @@ struct Conversation {
     service_tier: Option<Value>,
     #[allow(dead_code)]
     speed: Option<Value>,
+    // Account and cache-diagnostics fields of Anthropic's service: nothing here.
+    #[allow(dead_code)]
+    inference_geo: Option<Value>,
+    #[allow(dead_code)]
+    user_profile_id: Option<Value>,
+    #[allow(dead_code)]
+    workspace_id: Option<Value>,
+    #[allow(dead_code)]
+    diagnostics: Option<Value>,
 }
 
 impl Conversation {

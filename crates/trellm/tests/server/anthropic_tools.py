@@ -86,7 +86,8 @@ city = {"type": "object", "properties": {"city": {"type": "string", "maxLength":
 m = an.messages.create(model=model, max_tokens=40, extra_body=greedy,
                        messages=[{"role": "user", "content": "Name a big city."}],
                        output_config={"format": {"type": "json_schema", "schema": city}, "effort": "low"},
-                       thinking={"type": "disabled"}, cache_control={"type": "ephemeral"})
+                       thinking={"type": "disabled"}, cache_control={"type": "ephemeral"},
+                       service_tier="auto", inference_geo="us", diagnostics={"previous_message_id": None})
 assert m.stop_reason == "end_turn" and set(json.loads(m.content[0].text)) == {"city"}, m
 
 # Bad tool fields and unsupported blocks: 400s.
