@@ -112,6 +112,12 @@ struct ChatRequest {
     reasoning_effort: Option<Value>,
     #[allow(dead_code)]
     verbosity: Option<Value>,
+    #[allow(dead_code)]
+    prompt_cache_options: Option<Value>,
+    #[allow(dead_code)]
+    prompt_cache_retention: Option<Value>,
+    /// Output kinds: text only here.
+    modalities: Option<Vec<String>>,
 }
 
 /// `/v1/completions`' prompt: one text or token list, or a batch of either (each prompt's `n`
@@ -392,6 +398,12 @@ pub async fn chat_completions(
 async fn chat(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
     let r: ChatRequest = parse(body)?;
     check_model(&s, &r.model)?;
+    if let Some(m) = r.modalities.iter().flatten().find(|m| *m != "text") {
+        return Err(ApiError::invalid(format!(
+            "modalities: only text is produced here, not '{m}'"
+        ))
+        .param("modalities"));
+    }
     let plan = tools::plan(
         &s,
         r.response_format.as_ref(),

@@ -44,7 +44,8 @@ assert k.choices[0].message.content == expected, (k.choices[0].message.content, 
 # Fields that tune OpenAI's service or reasoning models are accepted and change nothing.
 k = oa.chat.completions.create(model=model, messages=question, max_tokens=24, temperature=0,
                                service_tier="auto", prompt_cache_key="k", safety_identifier="u",
-                               reasoning_effort="low", verbosity="low")
+                               reasoning_effort="low", verbosity="low", modalities=["text"],
+                               prompt_cache_retention="24h")
 assert k.choices[0].message.content == expected, (k.choices[0].message.content, expected)
 
 # Streaming: a role chunk, deltas, a finish chunk, a usage chunk, [DONE] (the client stops there).

@@ -122,6 +122,7 @@ for kw, param in [
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}), "response_format"),
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/$defs/none"}}}), "response_format"),
     (dict(response_format={"type": "yaml"}), "response_format"),
+    (dict(modalities=["text", "audio"]), "modalities"),
     (dict(tools=[weather], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "frobnicate"}}}],
           tool_choice="required"), "tools"),
