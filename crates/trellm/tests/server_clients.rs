@@ -524,3 +524,37 @@ fn ctx_size_caps_every_endpoint_and_is_checked() {
     let (status, text) = http(srv.port, "POST", "/v1/chat/completions", ok.as_bytes());
     assert_eq!(status, 200, "{text}");
 }
+
+#[test]
+fn tokenize_and_detokenize_round_trip_in_both_servers_spellings() {
+    let srv = serve(&[]);
+    let text = "The capital of France is Paris.";
+    let ids_of = |body: String| {
+        let (status, out) = http(srv.port, "POST", "/tokenize", body.as_bytes());
+        assert_eq!(status, 200, "{out}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(v["count"], v["tokens"].as_array().unwrap().len());
+        v["tokens"].clone()
+    };
+    let llama_server = ids_of(format!(r#"{{"content":"{text}"}}"#));
+    let vllm = ids_of(format!(r#"{{"prompt":"{text}"}}"#));
+    assert_eq!(llama_server, vllm);
+    assert!(llama_server.as_array().unwrap().len() > 3);
+    let (status, out) = http(
+        srv.port,
+        "POST",
+        "/detokenize",
+        format!(r#"{{"tokens":{llama_server}}}"#).as_bytes(),
+    );
+    assert_eq!(status, 200, "{out}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["content"], text);
+    for (path, body) in [
+        ("/tokenize", r#"{}"#),
+        ("/tokenize", r#"{"content":"a","prompt":"b"}"#),
+        ("/detokenize", r#"{"tokens":[4294967295]}"#),
+    ] {
+        let (status, out) = http(srv.port, "POST", path, body.as_bytes());
+        assert_eq!(status, 400, "{path} {body}: {out}");
+    }
+}

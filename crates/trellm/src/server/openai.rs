@@ -771,3 +771,89 @@ async fn completion(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError>
     }))
     .into_response())
 }
+
+/// `/tokenize` as llama-server (`content`, `add_special` default false) and vLLM (`prompt`,
+/// `add_special_tokens` default true) take it; the answer carries both servers' fields.
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+struct TokenizeRequest {
+    model: Option<String>,
+    content: Option<String>,
+    prompt: Option<String>,
+    add_special: Option<bool>,
+    add_special_tokens: Option<bool>,
+}
+
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+struct DetokenizeRequest {
+    model: Option<String>,
+    tokens: Vec<u32>,
+}
+
+/// A JSON answer computed on the spot, behind the API key, errors in OpenAI's envelope.
+fn answer(
+    s: &AppState,
+    headers: &HeaderMap,
+    f: impl FnOnce() -> Result<Value, ApiError>,
+) -> Response {
+    if !authorized(s, headers) {
+        return ApiError::unauthorized().openai();
+    }
+    match f() {
+        Ok(v) => axum::Json(v).into_response(),
+        Err(e) => e.openai(),
+    }
+}
+
+pub async fn tokenize(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+    answer(&s, &headers, || {
+        let r: TokenizeRequest = parse(&body)?;
+        check_model(&s, &r.model)?;
+        let (text, special) = match (r.content, r.prompt) {
+            (Some(t), None) => (t, r.add_special.or(r.add_special_tokens).unwrap_or(false)),
+            (None, Some(t)) => (t, r.add_special_tokens.or(r.add_special).unwrap_or(true)),
+            _ => {
+                return Err(
+                    ApiError::invalid("give the text as 'content' or as 'prompt'").param("content"),
+                )
+            }
+        };
+        let tok = s
+            .model
+            .tokenizer()
+            .map_err(|e| ApiError::invalid(e.to_string()))?;
+        let ids = tok
+            .encode(&text, special)
+            .map_err(|e| ApiError::invalid(e.to_string()).param("content"))?;
+        Ok(
+            json!({"tokens": ids, "count": ids.len(), "max_model_len": s.model.model.cfg.max_context}),
+        )
+    })
+}
+
+pub async fn detokenize(
+    State(s): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    answer(&s, &headers, || {
+        let r: DetokenizeRequest = parse(&body)?;
+        check_model(&s, &r.model)?;
+        let vocab = s.model.model.cfg.vocab;
+        if let Some(id) = r.tokens.iter().find(|&&id| id as usize >= vocab) {
+            return Err(ApiError::invalid(format!(
+                "token id {id} is outside the vocabulary (size {vocab})"
+            ))
+            .param("tokens"));
+        }
+        let tok = s
+            .model
+            .tokenizer()
+            .map_err(|e| ApiError::invalid(e.to_string()))?;
+        let text = tok
+            .decode(&r.tokens, false)
+            .map_err(|e| ApiError::invalid(e.to_string()).param("tokens"))?;
+        Ok(json!({"content": text, "prompt": text}))
+    })
+}
