@@ -15,9 +15,9 @@ use serde_json::{json, Value};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use super::api::{collect, invalid_sampling, parse, request_id, start, ApiError};
-use super::tools::{self, InMessage, ToolCall, Tools};
+use super::tools::{self, InMessage, ReplySink, ToolCall, Tools};
 use super::{authorized, AppState};
-use crate::engine::{FinishReason, Request, SamplerParams};
+use crate::engine::{FinishReason, Grammar, Request, SamplerParams};
 
 #[derive(Deserialize, Debug)]
 #[serde(untagged)]
@@ -286,11 +286,15 @@ fn in_messages(
     Ok(out)
 }
 
-/// A request's prompt ids and the tools in play.
-async fn prompt(
-    s: &Arc<AppState>,
-    c: Conversation,
-) -> Result<(Vec<u32>, tools::ChatPlan), ApiError> {
+/// A request's prompt ids, the tools in play and the grammar `output_config.format` asks for
+/// (compiled only by a request that decodes: counting tokens needs none).
+struct Prompt {
+    ids: Vec<u32>,
+    tools: Option<Tools>,
+    from_format: Option<Grammar>,
+}
+
+fn prompt(s: &AppState, c: Conversation) -> Result<Prompt, ApiError> {
     if c.model != s.model_name {
         return Err(ApiError::new(
             axum::http::StatusCode::NOT_FOUND,
@@ -306,11 +310,15 @@ async fn prompt(
     let tool_list = c.tools.as_deref().map(openai_tools).transpose()?;
     let tool_choice = c.tool_choice.as_ref().map(openai_choice).transpose()?;
     c.check_thinking()?;
-    let format = c.response_format()?;
-    let plan = tools::plan(s, format.as_ref(), tool_list.as_ref(), tool_choice.as_ref()).await?;
+    let from_format = tools::response_grammar(c.response_format()?.as_ref())?;
+    let call_tools = tools::read_tools(s, tool_list.as_ref(), tool_choice.as_ref())?;
     let messages = in_messages(c.system, c.messages)?;
-    let ids = tools::chat_ids(s, messages, plan.tools.as_ref(), None)?;
-    Ok((ids, plan))
+    let ids = tools::chat_ids(s, messages, call_tools.as_ref(), None)?;
+    Ok(Prompt {
+        ids,
+        tools: call_tools,
+        from_format,
+    })
 }
 
 fn tool_use(c: &ToolCall) -> Value {
@@ -342,11 +350,11 @@ pub async fn count_tokens(
         return ApiError::unauthorized().anthropic();
     }
     let r = match parse::<CountRequest>(&body) {
-        Ok(r) => prompt(&s, r.conversation).await,
+        Ok(r) => prompt(&s, r.conversation),
         Err(e) => Err(e),
     };
     match r {
-        Ok((ids, _)) => axum::Json(json!({"input_tokens": ids.len()})).into_response(),
+        Ok(p) => axum::Json(json!({"input_tokens": p.ids.len()})).into_response(),
         Err(e) => e.anthropic(),
     }
 }
@@ -380,23 +388,6 @@ struct Blocks {
 impl Blocks {
     fn send(&self, name: &str, v: Value) -> Result<(), ()> {
         self.tx.send(event(name, v)).map_err(|_| ())
-    }
-
-    fn text(&mut self, t: &str) -> Result<(), ()> {
-        if !self.text_open {
-            self.send(
-                "content_block_start",
-                json!({"type": "content_block_start", "index": self.next, "content_block": {"type": "text", "text": ""}}),
-            )?;
-            self.text_open = true;
-        }
-        if t.is_empty() {
-            return Ok(());
-        }
-        self.send(
-            "content_block_delta",
-            json!({"type": "content_block_delta", "index": self.next, "delta": {"type": "text_delta", "text": t}}),
-        )
     }
 
     fn close_text(&mut self) -> Result<(), ()> {
@@ -457,9 +448,22 @@ impl Blocks {
     }
 }
 
-impl tools::ReplySink for Blocks {
+impl ReplySink for Blocks {
     fn text(&mut self, t: &str) -> Result<(), ()> {
-        Blocks::text(self, t)
+        if !self.text_open {
+            self.send(
+                "content_block_start",
+                json!({"type": "content_block_start", "index": self.next, "content_block": {"type": "text", "text": ""}}),
+            )?;
+            self.text_open = true;
+        }
+        if t.is_empty() {
+            return Ok(());
+        }
+        self.send(
+            "content_block_delta",
+            json!({"type": "content_block_delta", "index": self.next, "delta": {"type": "text_delta", "text": t}}),
+        )
     }
 
     fn done(
@@ -494,7 +498,11 @@ impl tools::ReplySink for Blocks {
 
 async fn run(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
     let r: MessagesRequest = parse(body)?;
-    let (ids, plan) = prompt(&s, r.conversation).await?;
+    let Prompt {
+        ids,
+        tools: call_tools,
+        from_format,
+    } = prompt(&s, r.conversation)?;
     let cfg = &s.model.model.cfg;
     if r.max_tokens == 0 || ids.len() + r.max_tokens > cfg.max_context {
         return Err(ApiError::invalid(format!(
@@ -521,10 +529,9 @@ async fn run(s: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
         sampler,
         eos_ids: s.model.eos_ids(),
         stop: r.stop_sequences.unwrap_or_default(),
-        constraint: plan.constraint,
+        constraint: tools::constraint(&s, call_tools.as_ref(), from_format).await?,
         ..Default::default()
     };
-    let call_tools: Option<Tools> = plan.tools;
     let id = request_id("msg_");
     let input = ids.len();
     if !r.stream.unwrap_or(false) {

@@ -17,7 +17,7 @@ use serde_json::{json, Value};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use super::api::{collect, invalid_sampling, parse, request_id, start, ApiError};
-use super::tools::{self, InMessage, ToolCall};
+use super::tools::{self, InMessage, ReplySink, ToolCall};
 use super::{authorized, unix_time, AppState};
 use crate::engine::{FinishReason, Request, SamplerParams};
 
@@ -461,9 +461,32 @@ struct Events {
     input: usize,
 }
 
-impl tools::ReplySink for Events {
+impl ReplySink for Events {
     fn text(&mut self, t: &str) -> Result<(), ()> {
-        Events::text(self, t)
+        let at = self.output.len();
+        if self.message.is_none() {
+            let id = request_id("msg_");
+            self.send(
+                "response.output_item.added",
+                json!({"output_index": at, "item": message_item(&id, "in_progress", None)}),
+            )?;
+            self.send(
+                "response.content_part.added",
+                json!({"item_id": id, "output_index": at, "content_index": 0,
+                    "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}}),
+            )?;
+            self.message = Some((id, String::new()));
+        }
+        if t.is_empty() {
+            return Ok(());
+        }
+        let (id, text) = self.message.as_mut().expect("opened above");
+        text.push_str(t);
+        let id = id.clone();
+        self.send(
+            "response.output_text.delta",
+            json!({"item_id": id, "output_index": at, "content_index": 0, "delta": t, "logprobs": []}),
+        )
     }
 
     fn done(
@@ -510,33 +533,6 @@ impl Events {
         self.tx
             .send(Ok(SseEvent::default().event(kind).data(v.to_string())))
             .map_err(|_| ())
-    }
-
-    fn text(&mut self, t: &str) -> Result<(), ()> {
-        let at = self.output.len();
-        if self.message.is_none() {
-            let id = request_id("msg_");
-            self.send(
-                "response.output_item.added",
-                json!({"output_index": at, "item": message_item(&id, "in_progress", None)}),
-            )?;
-            self.send(
-                "response.content_part.added",
-                json!({"item_id": id, "output_index": at, "content_index": 0,
-                    "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}}),
-            )?;
-            self.message = Some((id, String::new()));
-        }
-        if t.is_empty() {
-            return Ok(());
-        }
-        let (id, text) = self.message.as_mut().expect("opened above");
-        text.push_str(t);
-        let id = id.clone();
-        self.send(
-            "response.output_text.delta",
-            json!({"item_id": id, "output_index": at, "content_index": 0, "delta": t, "logprobs": []}),
-        )
     }
 
     /// The rest of the text, the message item closed, then the calls. A reply without calls

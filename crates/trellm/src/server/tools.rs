@@ -539,8 +539,7 @@ pub struct ChatPlan {
     pub constraint: Option<crate::engine::Constraint>,
 }
 
-/// Reads `response_format`, `tools` and `tool_choice`, and compiles the grammar they ask for
-/// (the tokenizer's grammar engine is built on first use, off the async threads).
+/// Reads `response_format`, `tools` and `tool_choice`, and compiles the grammar they ask for.
 pub async fn plan(
     s: &std::sync::Arc<super::AppState>,
     response_format: Option<&Value>,
@@ -548,24 +547,43 @@ pub async fn plan(
     tool_choice: Option<&Value>,
 ) -> Result<ChatPlan, ApiError> {
     let from_format = response_grammar(response_format)?;
+    let tools = read_tools(s, tools, tool_choice)?;
+    let constraint = constraint(s, tools.as_ref(), from_format).await?;
+    Ok(ChatPlan { tools, constraint })
+}
+
+/// The request's `tools` and `tool_choice` as the chat template will render them (see
+/// [`parse_tools`]).
+pub fn read_tools(
+    s: &super::AppState,
+    tools: Option<&Value>,
+    tool_choice: Option<&Value>,
+) -> Result<Option<Tools>, ApiError> {
     let source = s
         .model
         .tokenizer()
         .ok()
         .and_then(|t| t.chat_template_source())
         .unwrap_or_default();
-    let tools = parse_tools(tools, tool_choice, source.contains("tools"), |p| {
+    parse_tools(tools, tool_choice, source.contains("tools"), |p| {
         source.contains(p)
-    })?;
-    let (grammar, param) = match tools.as_ref().and_then(Tools::grammar) {
+    })
+}
+
+/// The constraint a request decodes under: a forced call's grammar, else `response_format`'s
+/// (`from_format`), compiled off the async threads (the tokenizer's grammar engine is built on
+/// first use).
+pub async fn constraint(
+    s: &std::sync::Arc<super::AppState>,
+    tools: Option<&Tools>,
+    from_format: Option<Grammar>,
+) -> Result<Option<crate::engine::Constraint>, ApiError> {
+    let (grammar, param) = match tools.and_then(Tools::grammar) {
         Some(g) => (Some(g), "tools"),
         None => (from_format, "response_format"),
     };
     let Some(grammar) = grammar else {
-        return Ok(ChatPlan {
-            tools,
-            constraint: None,
-        });
+        return Ok(None);
     };
     let st = s.clone();
     let compiled = tokio::task::spawn_blocking(move || {
@@ -584,10 +602,7 @@ pub async fn plan(
             format!("compiling the grammar failed: {e}"),
         )
     })??;
-    Ok(ChatPlan {
-        tools,
-        constraint: Some(compiled),
-    })
+    Ok(Some(compiled))
 }
 
 /// Whether the conversation needs the structured rendering (tools, or tool turns in it).
