@@ -1,14 +1,17 @@
 """Structured output and tools through the official `openai` client: response_format
 json_schema (plain and streamed) and json_object, tool calls forced by tool_choice, tool turns in
-the input, and bad schemas raised as the client's BadRequestError.
+the input, the client's pydantic `parse` helpers, and bad schemas raised as the client's
+BadRequestError.
 
 Usage: structured.py BASE_URL MODEL
 Exits non-zero (an AssertionError or a client exception) on the first failure.
 """
 import json
 import sys
+from typing import Literal
 
 import openai
+import pydantic
 
 base, model = sys.argv[1], sys.argv[2]
 oa = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
@@ -27,7 +30,8 @@ person = {
 
 
 def check_person(text):
-    """Validates against `person` by hand (the test venv has only the API clients)."""
+    """Validates against `person` by hand (the test venv has only the API clients and their
+    dependencies)."""
     v = json.loads(text)
     assert isinstance(v, dict) and set(v) == {"name", "age", "city"}, v
     assert isinstance(v["name"], str) and 1 <= len(v["name"]) <= 24, v
@@ -116,6 +120,37 @@ history = q + [
 h = oa.chat.completions.create(model=model, messages=history, tools=[weather], max_tokens=24,
                                temperature=0)
 assert h.choices[0].message.content or h.choices[0].message.tool_calls, h.choices[0]
+
+# The client's pydantic helpers: `parse` sends the model's strict schema and reads the reply back
+# into it (chat, streamed chat and the Responses API), and `pydantic_function_tool` calls come back
+# with `parsed_arguments`.
+class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(min_length=1, max_length=24)
+    age: int = pydantic.Field(ge=0, le=120)
+    city: Literal["Paris", "London", "Tokyo"]
+
+
+class GetWeather(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=30)
+    unit: Literal["celsius", "fahrenheit"]
+
+
+p = oa.chat.completions.parse(model=model, messages=ask, response_format=Person, max_tokens=60,
+                              temperature=0)
+assert isinstance(p.choices[0].message.parsed, Person), p.choices[0]
+with oa.chat.completions.stream(model=model, messages=ask, response_format=Person, max_tokens=60,
+                                temperature=0.7, seed=3) as stream:
+    for _ in stream:
+        pass
+    assert isinstance(stream.get_final_completion().choices[0].message.parsed, Person)
+rp = oa.responses.parse(model=model, input=ask[0]["content"], text_format=Person,
+                        max_output_tokens=60, temperature=0)
+assert isinstance(rp.output_parsed, Person), rp
+assert rp.output_parsed == p.choices[0].message.parsed, (rp.output_parsed, p.choices[0].message.parsed)
+t = oa.chat.completions.parse(model=model, messages=q, tools=[openai.pydantic_function_tool(GetWeather)],
+                              tool_choice="required", max_tokens=60, temperature=0)
+call = t.choices[0].message.tool_calls[0]
+assert call.function.name == "GetWeather" and isinstance(call.function.parsed_arguments, GetWeather), call
 
 # Bad schemas and tool fields are the client's BadRequestError, naming the field.
 for kw, param in [
