@@ -232,6 +232,22 @@ fn bad_requests_get_envelopes_and_the_server_keeps_serving() {
     let ok = br#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}"#;
     let (got, text) = http(p, "POST", "/v1/chat/completions", ok);
     assert_eq!(got, 200, "{text}");
+    // llama-server's paths without the version prefix answer as the prefixed ones.
+    let (got, text) = http(p, "POST", "/chat/completions", ok);
+    assert_eq!(got, 200, "{text}");
+    assert!(text.contains("chat.completion"), "{text}");
+    let (got, text) = http(
+        p,
+        "POST",
+        "/completions",
+        br#"{"prompt": "The", "max_tokens": 2}"#,
+    );
+    assert_eq!(got, 200, "{text}");
+    assert!(text.contains("text_completion"), "{text}");
+    let (got, text) = http(p, "GET", "/models", b"");
+    assert_eq!(got, 200, "{text}");
+    assert!(text.contains("smollm2-135m-instruct"), "{text}");
+    assert_eq!(http(p, "GET", "/v1/health", b"").0, 200);
 }
 
 fn metric(port: u16, name: &str) -> usize {

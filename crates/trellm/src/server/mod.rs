@@ -83,6 +83,12 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/metrics", get(metrics))
+        // llama-server's aliases without the version prefix, for clients whose base URL leaves
+        // it out.
+        .route("/v1/health", get(health))
+        .route("/models", get(openai::models))
+        .route("/chat/completions", post(openai::chat_completions))
+        .route("/completions", post(openai::completions))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
