@@ -11,7 +11,6 @@ use cudarc::driver::sys as dsys;
 use trellm_model::config::{Dims, Family};
 use trellm_model::rope::Rope;
 use trellm_model::{ModelConfig, Plan};
-use trellm_quant::exl3::{Bitrate, Codebook};
 
 use crate::dense::{self, DenseModel, DenseWeights, Shape};
 use crate::{kernels, Arg, Gpu};
@@ -57,8 +56,8 @@ pub struct BenchOptions {
     pub n_gen: usize,
     pub repetitions: usize,
     pub seed: u64,
-    /// Every projection and the head as synthetic EXL3 layers of this codebook and bitrate.
-    pub exl3: Option<(Codebook, Bitrate)>,
+    /// Every projection and the head as synthetic EXL3 layers of this codebook and rates.
+    pub exl3: Option<trellm_quant::exl3::Exl3Rates>,
     /// Decode's MUL1 layers on the fast path (`dense::Options::exl3_int8`).
     pub exl3_int8: bool,
 }

@@ -38,7 +38,7 @@ use trellm_model::{Batch, ModelConfig, Plan, Want};
 use crate::exl3::{Exl3Linear, Exl3Scratch, RopeKv, Rows};
 use crate::kernels;
 use crate::{Arg, Gpu, HostBuffers, HostRows};
-use trellm_quant::exl3::{Bitrate, Codebook, Exl3Shape};
+use trellm_quant::exl3::{Bitrate, Exl3Shape};
 
 /// Sizes derived from a [`ModelConfig`] that the GPU buffers and kernels use.
 pub trait Shape {
@@ -335,11 +335,12 @@ impl DenseWeights {
                 exl3.len() == ws.len(),
                 "a stacked projection mixes EXL3 and other weights, which CUDA does not run"
             );
-            Ok(DeviceMatrix::Exl3(
-                exl3.iter()
-                    .map(|e| Exl3Linear::upload(gpu, e, None))
-                    .collect::<Result<_>>()?,
-            ))
+            let mut parts = exl3
+                .iter()
+                .map(|e| Exl3Linear::upload(gpu, e, None))
+                .collect::<Result<Vec<_>>>()?;
+            Exl3Linear::join(gpu, &mut parts)?;
+            Ok(DeviceMatrix::Exl3(parts))
         };
         // Several projections stacked into one matrix (biases side by side, zeros where one
         // has none; no bias if none has one).
@@ -427,12 +428,12 @@ impl DenseWeights {
     }
 
     /// [`Self::synthetic`], with every projection and the output head as random EXL3 layers of
-    /// `exl3`'s codebook and bitrate (the embedding stays bf16), dimensions padded to 128s.
+    /// `exl3`'s codebook and rates (the embedding stays bf16), dimensions padded to 128s.
     pub fn synthetic_with(
         gpu: &Gpu,
         cfg: &ModelConfig,
         seed: u64,
-        exl3: Option<(Codebook, Bitrate)>,
+        exl3: Option<trellm_quant::exl3::Exl3Rates>,
     ) -> Result<DenseWeights> {
         validate(cfg)?;
         let fill = gpu.function(&kernels::ELEMENTWISE, &[], "fill_uniform_bf16")?;
@@ -484,30 +485,34 @@ impl DenseWeights {
         let zeros = |on: bool, n: usize| -> Result<Option<CudaSlice<f32>>> {
             on.then(|| gpu.alloc::<f32>(n)).transpose()
         };
-        // One matrix of `parts` stacked row counts.
-        let matrix = |parts: &[usize], cols: usize| -> Result<DeviceMatrix> {
-            let Some((codebook, rate)) = exl3 else {
-                return Ok(DeviceMatrix::Bf16(mat(parts.iter().sum(), cols)?));
+        // One matrix of `parts` (row count, projection name) stacked.
+        let matrix = |parts: &[(usize, &str)], cols: usize| -> Result<DeviceMatrix> {
+            let Some(spec) = exl3 else {
+                return Ok(DeviceMatrix::Bf16(mat(
+                    parts.iter().map(|p| p.0).sum(),
+                    cols,
+                )?));
             };
             let k = cols.next_multiple_of(128);
-            let layers = parts
+            let mut layers = parts
                 .iter()
-                .map(|&rows| {
+                .map(|&(rows, proj)| {
                     let shape = Exl3Shape {
                         k,
                         n: rows.next_multiple_of(128),
-                        rate,
-                        codebook,
+                        rate: spec.rate_of(proj),
+                        codebook: spec.codebook,
                     };
                     Exl3Linear::synthetic(gpu, shape, bump()).map(|l| l.used(rows, cols))
                 })
                 .collect::<Result<Vec<_>>>()?;
+            Exl3Linear::join(gpu, &mut layers)?;
             Ok(DeviceMatrix::Exl3(layers))
         };
-        let gate_up_parts: Vec<usize> = if cfg.gated() {
-            vec![cfg.intermediate; 2]
+        let gate_up_parts: Vec<(usize, &str)> = if cfg.gated() {
+            vec![(cfg.intermediate, "gate"), (cfg.intermediate, "up")]
         } else {
-            vec![cfg.intermediate]
+            vec![(cfg.intermediate, "up")]
         };
         let mut layers = Vec::with_capacity(cfg.n_layers());
         for spec in &cfg.layers {
@@ -521,13 +526,16 @@ impl DenseWeights {
             layers.push(LayerBuffers {
                 attn_norm: cfg.pre_norms.then(|| norm(&ones)).transpose()?,
                 qkv: DeviceLinear {
-                    w: matrix(&[cfg.q_dim(), cfg.kv_dim(), cfg.kv_dim()], h)?,
+                    w: matrix(
+                        &[(cfg.q_dim(), "q"), (cfg.kv_dim(), "k"), (cfg.kv_dim(), "v")],
+                        h,
+                    )?,
                     b: zeros(cfg.qkv_bias, cfg.qkv_dim())?,
                 },
                 q_norm: qk(cfg.q_dim())?,
                 k_norm: qk(cfg.kv_dim())?,
                 o: DeviceLinear {
-                    w: matrix(&[h], cfg.q_dim())?,
+                    w: matrix(&[(h, "o")], cfg.q_dim())?,
                     b: zeros(cfg.o_bias, h)?,
                 },
                 post_attn_norm: cfg.post_norms.then(|| norm(&ones)).transpose()?,
@@ -537,7 +545,7 @@ impl DenseWeights {
                     b: zeros(cfg.mlp_bias, cfg.gate_up_rows())?,
                 },
                 down: DeviceLinear {
-                    w: matrix(&[h], cfg.intermediate)?,
+                    w: matrix(&[(h, "down")], cfg.intermediate)?,
                     b: zeros(cfg.mlp_bias, h)?,
                 },
                 post_ffn_norm: cfg.post_norms.then(|| norm(&ones)).transpose()?,
@@ -551,12 +559,12 @@ impl DenseWeights {
         let embed = mat(cfg.vocab, h)?;
         let lm_head = match exl3 {
             // exllamav3's default: the head at 6 bits of the model's codebook.
-            Some((codebook, _)) => {
+            Some(spec) => {
                 let shape = Exl3Shape {
                     k: h.next_multiple_of(128),
                     n: cfg.vocab.next_multiple_of(128),
                     rate: Bitrate::int(SYNTHETIC_HEAD_BITS),
-                    codebook,
+                    codebook: spec.codebook,
                 };
                 let head = Exl3Linear::synthetic(gpu, shape, bump())?.used(cfg.vocab, h);
                 Some(DeviceMatrix::Exl3(vec![head]))

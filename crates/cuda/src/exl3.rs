@@ -32,16 +32,33 @@ use crate::{Arg, Gpu};
 
 /// The `-D` defines of the module for a codebook and bitrate.
 pub fn defines(codebook: Codebook, rate: Bitrate) -> Vec<String> {
+    part_defines(codebook, &[rate])
+}
+
+/// The `-D` defines of the module whose multi-part kernels take parts at `rates` (part 0's, the
+/// one-layer kernels' rate first; a part past the list at the last one's, as the kernel's
+/// defaults have it).
+pub fn part_defines(codebook: Codebook, rates: &[Bitrate]) -> Vec<String> {
     let cb = match codebook {
         Codebook::Inst3 => 0,
         Codebook::Mcg => 1,
         Codebook::Mul1 => 2,
     };
-    let twice = (rate.bits() * 2.0) as u32;
-    vec![format!("EXL3_CB={cb}"), format!("EXL3_TWICE={twice}")]
+    let twice = |r: Bitrate| (r.bits() * 2.0) as u32;
+    let mut d = vec![
+        format!("EXL3_CB={cb}"),
+        format!("EXL3_TWICE={}", twice(rates[0])),
+    ];
+    for (i, w) in rates.windows(2).enumerate().take(MAX_PARTS - 1) {
+        if w[1] != w[0] {
+            d.push(format!("EXL3_TWICE{}={}", i + 1, twice(w[1])));
+        }
+    }
+    d
 }
 
-/// Every codebook x bitrate module CI compiles (`kernels::EXL3.variants`).
+/// Every codebook x bitrate module CI compiles (`kernels::EXL3.variants`), and some modules for
+/// parts at several rates.
 pub const VARIANTS: &[&str] = &[
     "EXL3_CB=0,EXL3_TWICE=2",
     "EXL3_CB=0,EXL3_TWICE=3",
@@ -76,6 +93,11 @@ pub const VARIANTS: &[&str] = &[
     "EXL3_CB=2,EXL3_TWICE=12",
     "EXL3_CB=2,EXL3_TWICE=14",
     "EXL3_CB=2,EXL3_TWICE=16",
+    // Multi-part kernels whose parts differ in rate (`Exl3Linear::join`).
+    "EXL3_CB=2,EXL3_TWICE=6,EXL3_TWICE1=8",
+    "EXL3_CB=2,EXL3_TWICE=4,EXL3_TWICE1=6,EXL3_TWICE2=8",
+    "EXL3_CB=0,EXL3_TWICE=5,EXL3_TWICE1=16",
+    "EXL3_CB=1,EXL3_TWICE=16,EXL3_TWICE1=14,EXL3_TWICE2=2",
 ];
 
 /// A variant string of [`VARIANTS`] as the defines list NVRTC gets.
@@ -137,6 +159,9 @@ const BAND_ELEMS: usize = 64 << 20;
 
 /// The kernels of one codebook x bitrate module.
 pub struct Exl3Kernels {
+    /// The rates of the parts its multi-part kernels (`q8`, `mma`) take, part 0's first (the
+    /// one-layer kernels' rate).
+    rates: [Bitrate; MAX_PARTS],
     pub input: CudaFunction,
     /// The fast path's one-row layer (MUL1 modules).
     pub q8: CudaFunction,
@@ -153,6 +178,26 @@ impl Exl3Kernels {
         Self::load_with(gpu, codebook, rate, &[])
     }
 
+    /// The module whose multi-part kernels take layers at `rates` (one launch for q, k and v, or
+    /// gate and up, quantized at different rates).
+    pub fn load_parts(gpu: &Gpu, codebook: Codebook, rates: &[Bitrate]) -> Result<Exl3Kernels> {
+        ensure!(
+            (1..=MAX_PARTS).contains(&rates.len()),
+            "{} EXL3 parts in one launch",
+            rates.len()
+        );
+        Self::load_defines(gpu, part_defines(codebook, rates), rates)
+    }
+
+    /// Whether the multi-part kernels take these layers (their rates, part by part).
+    fn takes(&self, parts: &[Exl3Linear]) -> bool {
+        parts.len() <= MAX_PARTS
+            && parts
+                .iter()
+                .zip(&self.rates)
+                .all(|(p, &r)| p.shape.rate == r)
+    }
+
     /// With `extra` defines (variants for a measurement).
     pub fn load_with(
         gpu: &Gpu,
@@ -162,9 +207,15 @@ impl Exl3Kernels {
     ) -> Result<Exl3Kernels> {
         let mut d = defines(codebook, rate);
         d.extend_from_slice(extra);
+        Self::load_defines(gpu, d, &[rate])
+    }
+
+    fn load_defines(gpu: &Gpu, d: Vec<String>, rates: &[Bitrate]) -> Result<Exl3Kernels> {
         let src: &KernelSource = &EXL3;
         let f = |name: &str| gpu.function(src, &d, name);
+        let last = rates[rates.len() - 1];
         Ok(Exl3Kernels {
+            rates: std::array::from_fn(|i| rates.get(i).copied().unwrap_or(last)),
             input: f("exl3_in")?,
             q8: f("exl3_q8")?,
             gemv: f("exl3_gemv")?,
@@ -524,6 +575,41 @@ impl Exl3Linear {
         self
     }
 
+    /// Whether layers that take the same input run as one launch in the tensor-core and int8
+    /// regimes: one input width and codebook, and rates the first layer's kernels take (all one
+    /// rate, or the rates [`Self::join`] prepared them for).
+    pub fn one_launch(parts: &[Exl3Linear]) -> bool {
+        let Some(first) = parts.first() else {
+            return false;
+        };
+        first.k.takes(parts) && Self::joinable(parts)
+    }
+
+    fn joinable(parts: &[Exl3Linear]) -> bool {
+        let first = &parts[0];
+        parts.len() <= MAX_PARTS
+            && parts.iter().all(|p| {
+                p.shape.k == first.shape.k
+                    && p.cols == first.cols
+                    && p.shape.codebook == first.shape.codebook
+            })
+    }
+
+    /// Prepares layers that take the same input (q, k, v; gate, up) to run as one launch where
+    /// their rates differ: the first gets the module whose multi-part kernels take the parts'
+    /// rates (uniform parts need nothing more).
+    pub fn join(gpu: &Gpu, parts: &mut [Exl3Linear]) -> Result<()> {
+        let Some(first) = parts.first() else {
+            return Ok(());
+        };
+        if parts.len() > 1 && Self::joinable(parts) && !first.k.takes(parts) {
+            let codebook = first.shape.codebook;
+            let rates: Vec<Bitrate> = parts.iter().map(|p| p.shape.rate).collect();
+            parts[0].k = Exl3Kernels::load_parts(gpu, codebook, &rates)?;
+        }
+        Ok(())
+    }
+
     /// Runs with other kernels of the same codebook and bitrate (the timing sweep's variants).
     pub fn set_kernels(&mut self, k: Exl3Kernels) {
         self.k = k;
@@ -667,13 +753,7 @@ impl Exl3Linear {
         } else {
             Regime::for_rows(m)
         };
-        let fused = parts.len() <= MAX_PARTS
-            && parts.iter().all(|p| {
-                p.shape.k == first.shape.k
-                    && p.cols == first.cols
-                    && p.shape.codebook == first.shape.codebook
-                    && p.shape.rate == first.shape.rate
-            });
+        let fused = Self::one_launch(parts);
         let all: Vec<&Exl3Linear> = parts.iter().collect();
         match regime {
             Regime::Mma if fused => {

@@ -509,10 +509,17 @@ fn fused_cases(cb: Codebook) -> Vec<(Regime, &'static [usize])> {
 fn fused_parts_match_cpu() {
     let gpu = gpu();
     let mut failures: Vec<String> = Vec::new();
-    for (c, &(cb, rate)) in [
-        (Codebook::Mul1, Bitrate::int(3)),
-        (Codebook::Inst3, Bitrate::half(2)),
-        (Codebook::Mul1, Bitrate::int(4)),
+    let (i, h) = (Bitrate::int, Bitrate::half);
+    // Each part's rate: uniform, and parts at other rates than part 0's (a quantizer's
+    // allocation: k and v a bit above q), three rates in one launch, half rates.
+    for (c, &(cb, rates)) in [
+        (Codebook::Mul1, [i(3), i(3), i(3)]),
+        (Codebook::Inst3, [h(2), h(2), h(2)]),
+        (Codebook::Mul1, [i(4), i(4), i(4)]),
+        (Codebook::Mul1, [i(3), i(4), i(4)]),
+        (Codebook::Mcg, [i(2), i(3), i(2)]),
+        (Codebook::Mul1, [h(2), i(3), h(3)]),
+        (Codebook::Inst3, [i(8), i(4), i(6)]),
     ]
     .iter()
     .enumerate()
@@ -520,10 +527,18 @@ fn fused_parts_match_cpu() {
         let (k, cols) = (640, 576);
         let hosts: Vec<Host> = [(1024, 1000), (256, 256), (384, 300)]
             .iter()
+            .zip(rates)
             .enumerate()
-            .map(|(i, &(n, rows))| host(k, n, cols, rows, cb, rate, 300 + 10 * c as u64 + i as u64))
+            .map(|(i, (&(n, rows), rate))| {
+                host(k, n, cols, rows, cb, rate, 300 + 10 * c as u64 + i as u64)
+            })
             .collect();
-        let parts: Vec<Exl3Linear> = hosts.iter().map(|h| h.upload(&gpu)).collect();
+        let mut parts: Vec<Exl3Linear> = hosts.iter().map(|h| h.upload(&gpu)).collect();
+        Exl3Linear::join(&gpu, &mut parts).unwrap();
+        assert!(
+            Exl3Linear::one_launch(&parts),
+            "{cb:?} {rates:?}: the parts do not run as one launch"
+        );
         let width: usize = hosts.iter().map(|h| h.rows).sum();
         for (regime, ms) in fused_cases(cb) {
             for (j, &m) in ms.iter().enumerate() {
@@ -602,17 +617,20 @@ fn fused_rope_kv_matches_cpu_layers_and_rope() {
         table_off: 0,
         block: bs,
     };
-    for (c, &(cb, rate)) in [
-        (Codebook::Mul1, Bitrate::int(3)),
-        (Codebook::Inst3, Bitrate::half(2)),
+    let (i, h) = (Bitrate::int, Bitrate::half);
+    for (c, &(cb, rates)) in [
+        (Codebook::Mul1, [i(3), i(3), i(3)]),
+        (Codebook::Inst3, [h(2), h(2), h(2)]),
+        (Codebook::Mul1, [i(2), i(3), i(3)]),
     ]
     .iter()
     .enumerate()
     {
         let hosts: Vec<Host> = [heads, kv, kv]
             .iter()
+            .zip(rates)
             .enumerate()
-            .map(|(i, &n)| {
+            .map(|(i, (&n, rate))| {
                 let n = n * hd;
                 host(
                     hidden,
@@ -625,7 +643,8 @@ fn fused_rope_kv_matches_cpu_layers_and_rope() {
                 )
             })
             .collect();
-        let parts: Vec<Exl3Linear> = hosts.iter().map(|h| h.upload(&gpu)).collect();
+        let mut parts: Vec<Exl3Linear> = hosts.iter().map(|h| h.upload(&gpu)).collect();
+        Exl3Linear::join(&gpu, &mut parts).unwrap();
         let mut cases: Vec<(Regime, usize)> = [1, 3, 8, 16].map(|m| (Regime::Mma, m)).to_vec();
         if cb == Codebook::Mul1 {
             cases.push((Regime::Int8, 1));
@@ -781,18 +800,25 @@ fn fused_rope_kv_matches_cpu_layers_and_rope() {
 fn fused_gate_up_activation_matches_cpu() {
     let gpu = gpu();
     let mut failures: Vec<String> = Vec::new();
-    for (c, &(cb, rate)) in [
-        (Codebook::Mul1, Bitrate::int(3)),
-        (Codebook::Mcg, Bitrate::int(2)),
+    let i = Bitrate::int;
+    // Gate and up at one rate, and at two (up a bit above gate, as `trellm quantize` allocates).
+    for (c, &(cb, rates)) in [
+        (Codebook::Mul1, [i(3), i(3)]),
+        (Codebook::Mcg, [i(2), i(2)]),
+        (Codebook::Mul1, [i(3), i(4)]),
+        (Codebook::Mcg, [i(5), i(4)]),
     ]
     .iter()
     .enumerate()
     {
         let (k, n, cols, rows) = (640, 1024, 576, 1000);
-        let hosts: Vec<Host> = (0..2)
-            .map(|i| host(k, n, cols, rows, cb, rate, 500 + 10 * c as u64 + i))
+        let hosts: Vec<Host> = rates
+            .iter()
+            .enumerate()
+            .map(|(i, &rate)| host(k, n, cols, rows, cb, rate, 500 + 10 * c as u64 + i as u64))
             .collect();
-        let parts: Vec<Exl3Linear> = hosts.iter().map(|h| h.upload(&gpu)).collect();
+        let mut parts: Vec<Exl3Linear> = hosts.iter().map(|h| h.upload(&gpu)).collect();
+        Exl3Linear::join(&gpu, &mut parts).unwrap();
         for (regime, ms) in fused_cases(cb) {
             for (j, &m) in ms.iter().enumerate() {
                 let x = inputs(&hosts[0], m, (70 * c + j) as u64);

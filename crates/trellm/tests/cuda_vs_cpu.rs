@@ -212,27 +212,48 @@ fn exl3_folders_match_the_cpu_alone_and_batched() {
 
 /// An EXL3 folder with heads 128 wide, as Llama's (the tiny folders' are 64): its decode steps
 /// of up to 16 rows run RoPE and the KV write in the q/k/v launch's epilogue, which the tiny
-/// folders never reach. Made here by `trellm quantize` (3 bits, MUL1, a 6-bit head) from a
-/// 2-layer llama with seeded random weights, then checked as the tiny folders are.
+/// folders never reach. Made here by `trellm quantize` (MUL1, a 6-bit head) from a 2-layer llama
+/// with seeded random weights, then checked as the tiny folders are: at 3 bits, and at 3.5 and
+/// 3.8 bits, where the allocation leaves q below k and v (3.5) and gate below up (3.8), so those
+/// parts run as one launch at two rates.
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --ignored on the GPU machine"]
 fn exl3_head_dim_128_matches_the_cpu_alone_and_batched() {
-    let d = tempfile::tempdir().unwrap();
-    let (src, out) = (d.path().join("src"), d.path().join("exl3"));
-    common::write_llama_for_exl3(&src, &HD128_ONE_KV, 39);
-    common::quantize_exl3(&src, &out, trellm_quant::exl3::Codebook::Mul1, 3.0);
-    let r = cuda::check_against_cpu(&out, 32).unwrap();
-    eprintln!(
-        "head dim 128: max rel err {:.3e}, max abs err {:.3e}, ids equal {}",
-        r.max_rel_err,
-        r.max_abs_err,
-        r.ids_equal()
-    );
-    assert!(r.max_rel_err < REL_TOL_EXL3, "{r:?}");
-    if let Some(gap) = r.gap_at_divergence {
-        assert!(gap < TIE_GAP_EXL3, "ids differ at a clear choice: {r:?}");
+    use trellm_model::weights::{Linear, LinearWeight};
+    let rate = |l: &Linear| match &l.w {
+        LinearWeight::Exl3(e) => e.shape.rate,
+        LinearWeight::Ggml(_) => panic!("not an EXL3 layer"),
+    };
+    for (bits, mixed) in [(3.0, ""), (3.5, "qkv"), (3.8, "gate/up")] {
+        let d = tempfile::tempdir().unwrap();
+        let (src, out) = (d.path().join("src"), d.path().join("exl3"));
+        common::write_llama_for_exl3(&src, &HD128_ONE_KV, 39);
+        common::quantize_exl3(&src, &out, trellm_quant::exl3::Codebook::Mul1, bits);
+        let m = trellm::model::load::load(&out).unwrap();
+        let l0 = &m.model.weights.layers[0];
+        let (q, k, v) = (rate(&l0.q), rate(&l0.k), rate(&l0.v));
+        let (g, u) = (rate(l0.gate.as_ref().unwrap()), rate(&l0.up));
+        match mixed {
+            "qkv" => assert!(q != k && k == v && g == u, "{bits} bits: {q:?} {k:?} {v:?}"),
+            "gate/up" => assert!(q == k && k == v && g != u, "{bits} bits: {g:?} {u:?}"),
+            _ => assert!(q == k && k == v && g == u),
+        }
+        let r = cuda::check_against_cpu(&out, 32).unwrap();
+        eprintln!(
+            "head dim 128, {bits} bits: max rel err {:.3e}, max abs err {:.3e}, ids equal {}",
+            r.max_rel_err,
+            r.max_abs_err,
+            r.ids_equal()
+        );
+        assert!(r.max_rel_err < REL_TOL_EXL3, "{bits} bits: {r:?}");
+        if let Some(gap) = r.gap_at_divergence {
+            assert!(
+                gap < TIE_GAP_EXL3,
+                "{bits} bits: ids differ at a clear choice: {r:?}"
+            );
+        }
+        check_batched(&out, REL_TOL_EXL3, TIE_GAP_EXL3);
     }
-    check_batched(&out, REL_TOL_EXL3, TIE_GAP_EXL3);
 }
 
 /// A 2-layer llama: hidden 256, two query heads and one kv head of 128, vocabulary 512.

@@ -26,47 +26,93 @@
 #ifndef EXL3_TWICE
 #define EXL3_TWICE 8
 #endif
+// Parts 1 and 2 of a multi-part launch (PART_PARAMS: k and v beside q, up beside gate) may be
+// at other bitrates than part 0's (a quantizer's allocation can give them another K):
+// EXL3_TWICE1 and EXL3_TWICE2, by default the part before's. The one-layer kernels take
+// EXL3_TWICE.
+#ifndef EXL3_TWICE1
+#define EXL3_TWICE1 EXL3_TWICE
+#endif
+#ifndef EXL3_TWICE2
+#define EXL3_TWICE2 EXL3_TWICE1
+#endif
+#define EXL3_MIXED (EXL3_TWICE1 != EXL3_TWICE || EXL3_TWICE2 != EXL3_TWICE)
 
 // Tile rows of one step of the tensor-core GEMV (two steps in flight per warp). Its splits are
 // whole pairs of steps (exl3::mma_split: multiples of 8 tile rows).
 #define MMA_DEPTH 4
 // Blocks per SM the tensor-core GEMV's registers are bounded for (gpu_exl3::timing sweeps it).
 #ifndef MMA_MIN_BLOCKS
+#if !EXL3_MIXED
 #define MMA_MIN_BLOCKS 4
+#else
+// Parts at different rates: both rates' layers in one kernel spilled a few bytes at 64
+// registers.
+#define MMA_MIN_BLOCKS 3
+#endif
 #endif
 
-#define KA (EXL3_TWICE / 2)
-#define HALF_RATE (EXL3_TWICE & 1)
-#define TILE_BITS (128 * EXL3_TWICE)
-#define TILE_WORDS (TILE_BITS / 32)
 #define EXL3_WARPS 8
 
+// The stream geometry of bitrate TW = 2 K, all compile-time constants.
 // One past the last stream bit of position p (half rates: odd positions carry one more bit).
+template <int TW>
 __host__ __device__ constexpr int end_bit(int p) {
-    return (p + 1) * KA + (HALF_RATE ? (p + 1) / 2 : 0);
+    return (p + 1) * (TW / 2) + ((TW & 1) ? (p + 1) / 2 : 0);
 }
 // Offset of lane-position j's window from the lane's first window (the same for every lane:
 // end_bit(8L + j) - end_bit(8L)).
-__host__ __device__ constexpr int pos_off(int j) { return j * KA + (HALF_RATE ? (j + 1) / 2 : 0); }
-// Start of lane L's first 16-bit window, in [0, TILE_BITS) (circular).
+template <int TW>
+__host__ __device__ constexpr int pos_off(int j) {
+    return j * (TW / 2) + ((TW & 1) ? (j + 1) / 2 : 0);
+}
+// Start of lane L's first 16-bit window, in [0, 128 TW) (circular).
+template <int TW>
 __host__ __device__ constexpr int lane_start(int lane) {
-    return (end_bit(8 * lane) - 16 + TILE_BITS) % TILE_BITS;
+    return (end_bit<TW>(8 * lane) - 16 + 128 * TW) % (128 * TW);
 }
 // Words each lane loads: enough for its 8 windows from its (unaligned) start, the most any lane
 // needs.
+template <int TW>
 __host__ __device__ constexpr int lane_loads() {
     int m = 0;
     for (int l = 0; l < 32; l++) {
-        const int need = ((lane_start(l) & 31) + pos_off(7) + 16 + 31) / 32;
+        const int need = ((lane_start<TW>(l) & 31) + pos_off<TW>(7) + 16 + 31) / 32;
         m = need > m ? need : m;
     }
     return m;
 }
-#define NLOAD (lane_loads())
-// Words of a tile each lane holds when a warp loads the tile coalesced.
-#define OWN ((TILE_WORDS + 31) / 32)
-// Aligned words the 8 windows span.
-#define NALIGN ((pos_off(7) + 16 + 31) / 32)
+template <int TW>
+struct Rate {
+    // A tile's 256 positions of TW / 2 bits.
+    static constexpr int TILE_WORDS = 4 * TW;
+    // Words each lane decodes from.
+    static constexpr int NLOAD = lane_loads<TW>();
+    // Words of a tile each lane holds when a warp loads the tile coalesced.
+    static constexpr int OWN = (TILE_WORDS + 31) / 32;
+    // Aligned words the 8 windows span.
+    static constexpr int NALIGN = (pos_off<TW>(7) + 16 + 31) / 32;
+};
+
+// The bitrate (2 K) of a multi-part launch's part.
+__device__ __forceinline__ int part_twice(int part) {
+    return part == 0 ? EXL3_TWICE : part == 1 ? EXL3_TWICE1 : EXL3_TWICE2;
+}
+// Runs CALL(TW) with TW the bitrate `tw` of a part, one instantiation per distinct rate.
+#if EXL3_TWICE1 == EXL3_TWICE && EXL3_TWICE2 == EXL3_TWICE
+#define AT_PART_RATE(tw, CALL) CALL(EXL3_TWICE)
+#elif EXL3_TWICE2 == EXL3_TWICE || EXL3_TWICE2 == EXL3_TWICE1
+#define AT_PART_RATE(tw, CALL) \
+    if ((tw) == EXL3_TWICE) CALL(EXL3_TWICE); else CALL(EXL3_TWICE1)
+#elif EXL3_TWICE1 == EXL3_TWICE
+#define AT_PART_RATE(tw, CALL) \
+    if ((tw) == EXL3_TWICE) CALL(EXL3_TWICE); else CALL(EXL3_TWICE2)
+#else
+#define AT_PART_RATE(tw, CALL)                                      \
+    if ((tw) == EXL3_TWICE) CALL(EXL3_TWICE);                       \
+    else if ((tw) == EXL3_TWICE1) CALL(EXL3_TWICE1);                \
+    else CALL(EXL3_TWICE2)
+#endif
 
 __device__ __forceinline__ float h2f(unsigned short h) {
     float f;
@@ -126,30 +172,35 @@ __device__ __forceinline__ u32 codebook2(u32 x0, u32 x1) {
 }
 
 // Lane geometry: which tile words it loads, and its shift to its first window.
+template <int TW>
 struct LaneWords {
-    int idx[NLOAD];
+    int idx[Rate<TW>::NLOAD];
     int shift;
 };
-__device__ __forceinline__ LaneWords lane_words(int lane) {
-    LaneWords g;
-    const int s0 = lane_start(lane);
+template <int TW>
+__device__ __forceinline__ LaneWords<TW> lane_words(int lane) {
+    LaneWords<TW> g;
+    const int s0 = lane_start<TW>(lane);
 #pragma unroll
-    for (int i = 0; i < NLOAD; i++) {
+    for (int i = 0; i < Rate<TW>::NLOAD; i++) {
         int w = (s0 >> 5) + i;
-        g.idx[i] = w >= TILE_WORDS ? w - TILE_WORDS : w;
+        g.idx[i] = w >= Rate<TW>::TILE_WORDS ? w - Rate<TW>::TILE_WORDS : w;
     }
     g.shift = s0 & 31;
     return g;
 }
 
-__device__ __forceinline__ void load_words(const u32* __restrict__ tile, const LaneWords& g,
-                                           u32 (&w)[NLOAD]) {
+template <int TW>
+__device__ __forceinline__ void load_words(const u32* __restrict__ tile, const LaneWords<TW>& g,
+                                           u32 (&w)[Rate<TW>::NLOAD]) {
 #pragma unroll
-    for (int i = 0; i < NLOAD; i++) w[i] = __ldg(tile + g.idx[i]);
+    for (int i = 0; i < Rate<TW>::NLOAD; i++) w[i] = __ldg(tile + g.idx[i]);
 }
 
 // The lane's 8 16-bit states (positions 8L..8L+7) from its loaded words.
-__device__ __forceinline__ void states8(const u32 (&w)[NLOAD], int shift, u32 (&st)[8]) {
+template <int TW>
+__device__ __forceinline__ void states8(const u32 (&w)[Rate<TW>::NLOAD], int shift, u32 (&st)[8]) {
+    constexpr int NLOAD = Rate<TW>::NLOAD, NALIGN = Rate<TW>::NALIGN;
     // The stream from the lane's first window on, in NALIGN big-endian words (+1 of zeros).
     u32 a[NALIGN + 1];
 #pragma unroll
@@ -160,16 +211,17 @@ __device__ __forceinline__ void states8(const u32 (&w)[NLOAD], int shift, u32 (&
     }
 #pragma unroll
     for (int j = 0; j < 8; j++) {
-        const int o = pos_off(j), q = o >> 5, r = o & 31;
+        const int o = pos_off<TW>(j), q = o >> 5, r = o & 31;
         // A window inside one word is one shift and a mask (or one byte permute).
         st[j] = r <= 16 ? (a[q] >> (16 - r)) & 0xffffu : __funnelshift_l(a[q + 1], a[q], r) >> 16;
     }
 }
 
 // The lane's 8 weights (positions 8L..8L+7) from its loaded words.
-__device__ __forceinline__ void decode8(const u32 (&w)[NLOAD], int shift, float (&v)[8]) {
+template <int TW>
+__device__ __forceinline__ void decode8(const u32 (&w)[Rate<TW>::NLOAD], int shift, float (&v)[8]) {
     u32 st[8];
-    states8(w, shift, st);
+    states8<TW>(w, shift, st);
 #pragma unroll
     for (int j = 0; j < 8; j++) v[j] = codebook(st[j]);
 }
@@ -177,9 +229,10 @@ __device__ __forceinline__ void decode8(const u32 (&w)[NLOAD], int shift, float 
 // The lane's 8 weights as 4 half2: (v0, v1), (v2, v3), (v4, v5), (v6, v7) of decode8's order,
 // which are the mma.m16n8k16 B fragments of the tile's two 8-column halves ({h[0], h[1]} for
 // columns 0..7, {h[2], h[3]} for 8..15).
-__device__ __forceinline__ void decode8h(const u32 (&w)[NLOAD], int shift, u32 (&h)[4]) {
+template <int TW>
+__device__ __forceinline__ void decode8h(const u32 (&w)[Rate<TW>::NLOAD], int shift, u32 (&h)[4]) {
     u32 st[8];
-    states8(w, shift, st);
+    states8<TW>(w, shift, st);
 #pragma unroll
     for (int j = 0; j < 4; j++) h[j] = codebook2(st[2 * j], st[2 * j + 1]);
 }
@@ -310,12 +363,13 @@ __device__ __forceinline__ void gemv_rows(const u32* __restrict__ trellis,
                                           const float* __restrict__ xh,
                                           float* __restrict__ partial, int tiles_k, int tiles_n,
                                           int tk_per_split, int m) {
+    constexpr int TW = EXL3_TWICE, NLOAD = Rate<TW>::NLOAD, TILE_WORDS = Rate<TW>::TILE_WORDS;
     pdl_wait();
     const int lane = threadIdx.x & 31;
     const int tn = blockIdx.x * EXL3_WARPS + (threadIdx.x >> 5);
     const int tk0 = blockIdx.y * tk_per_split;
     const int tk1 = min(tk0 + tk_per_split, tiles_k);
-    const LaneWords g = lane_words(lane);
+    const LaneWords<TW> g = lane_words<TW>(lane);
     const int row0 = 2 * (lane & 3);
     const long long k = (long long)tiles_k * 16;
     const long long stride = (long long)tiles_n * TILE_WORDS;
@@ -324,14 +378,14 @@ __device__ __forceinline__ void gemv_rows(const u32* __restrict__ trellis,
 #pragma unroll
     for (int r = 0; r < R; r++) acc0[r] = acc1[r] = 0.0f;
     u32 cur[NLOAD];
-    if (tk0 < tk1) load_words(t, g, cur);
+    if (tk0 < tk1) load_words<TW>(t, g, cur);
     for (int tk = tk0; tk < tk1; tk++) {
         // The next tile's words in flight while this one decodes.
         u32 nxt[NLOAD];
-        if (tk + 1 < tk1) load_words(t + stride, g, nxt);
+        if (tk + 1 < tk1) load_words<TW>(t + stride, g, nxt);
         t += stride;
         float v[8];
-        decode8(cur, g.shift, v);
+        decode8<TW>(cur, g.shift, v);
 #pragma unroll
         for (int r = 0; r < R; r++) {
             if (r < m) {
@@ -390,10 +444,11 @@ EXL3_GEMV(exl3_gemv, 1)
 // rows). Each tile's words are loaded coalesced (lane L holds words L and L + 32) and handed to
 // the lanes that decode them by shuffles; tile(cur, tk) then gets this lane's NLOAD words of
 // tile row tk.
-template <class Prologue, class Tile>
+template <int TW, class Prologue, class Tile>
 __device__ __forceinline__ void stream_tiles(const u32* __restrict__ tl, long long stride, int tk0,
-                                             int tk1, const LaneWords& g, Prologue prologue,
+                                             int tk1, const LaneWords<TW>& g, Prologue prologue,
                                              Tile tile) {
+    constexpr int OWN = Rate<TW>::OWN, NLOAD = Rate<TW>::NLOAD, TILE_WORDS = Rate<TW>::TILE_WORDS;
     const int lane = threadIdx.x & 31;
     // Lanes past the tile's words load one of its words again (never used) instead of
     // branching around the load.
@@ -458,6 +513,11 @@ __device__ __forceinline__ void stream_tiles(const u32* __restrict__ tl, long lo
         float rope_q_scale, float *__restrict__ rope_q, bf16 *__restrict__ rope_k,                \
         bf16 *__restrict__ rope_v, const int *__restrict__ rope_tables,                           \
         const int *__restrict__ rope_table_off, int rope_bs
+// PART_PARAMS passed on as they are.
+#define PART_NAMES                                                                                 \
+    t0, t1, t2, suh0, suh1, suh2, svh0, svh1, svh2, bias0, bias1, bias2, rows0, rows1, rows2,     \
+        bands0, bands1, act, act_y, rope_pos, rope_freq, rope_heads, rope_kv, rope_pos_scale,     \
+        rope_in_scale, rope_q_scale, rope_q, rope_k, rope_v, rope_tables, rope_table_off, rope_bs
 #define PART_ARGS                                                                                  \
     t0, t1, t2, suh0, suh1, suh2, svh0, svh1, svh2, bias0, bias1, bias2, rows0, rows1, rows2,     \
         bands0, bands1, act, act_y,                                                               \
@@ -503,6 +563,11 @@ struct Part {
     bf16* act_y;
     RopeKv rope;
 };
+// Which part this block computes.
+__device__ __forceinline__ int block_index(int bands0, int bands1) {
+    const int b = blockIdx.x;
+    return b < bands0 ? 0 : b < bands0 + bands1 ? 1 : 2;
+}
 __device__ __forceinline__ Part block_part(PART_BASE_PARAMS, RopeKv rope) {
     const int b = blockIdx.x;
     Part p;
@@ -651,19 +716,18 @@ __device__ __forceinline__ void finish_band(const float* __restrict__ partial,
 // Epilogue: the last block of a band to finish (a counter per band, reset by that block for the
 // next launch) sums the band's partials in split order (so runs are bit-identical), rotates them
 // back and scales. Grid (n / 128, splits), 8 warps; warp w takes tile column 8 blockIdx.x + w.
-template <int MT, bool FULL>
-__device__ __forceinline__ void mma_layer(const Part& p, const void* __restrict__ x, int x_bf16,
+template <int TW, int MT, bool FULL>
+__device__ __forceinline__ void mma_layer(const Part& p, unsigned short* __restrict__ xs,
+                                          Part& sp, const void* __restrict__ x, int x_bf16,
                                           int ldx, int cols,
                                           const unsigned short* __restrict__ xh_pre,
                                           float* __restrict__ partial,
                                           u32* __restrict__ counters, float* __restrict__ y,
                                           int ldy, int tiles_k, int tk_per_split, int m) {
-    __shared__ __align__(16) unsigned short xs[XS_HALVES];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int tn = p.band * EXL3_WARPS + warp;
     // The part's epilogue fields wait in shared memory, not in registers, through the main loop
     // (written before the prologue's barrier).
-    __shared__ Part sp;
     if (threadIdx.x == 0) sp = p;
     const int tk0 = blockIdx.y * tk_per_split;
     const int tk1 = min(tk0 + tk_per_split, tiles_k);
@@ -696,12 +760,12 @@ __device__ __forceinline__ void mma_layer(const Part& p, const void* __restrict_
         __syncthreads();
     };
 
-    const LaneWords g = lane_words(lane);
+    const LaneWords<TW> g = lane_words<TW>(lane);
     const int grp = lane >> 2, tig = lane & 3;
-    const long long stride = (long long)p.tiles_n * TILE_WORDS;
+    const long long stride = (long long)p.tiles_n * Rate<TW>::TILE_WORDS;
     // The tile's words coalesced (lane L holds words L and L + 32); each lane takes the words it
     // decodes from their holders by shuffles.
-    const u32* tl = p.trellis + ((long long)tk0 * p.tiles_n + tn) * TILE_WORDS + lane;
+    const u32* tl = p.trellis + ((long long)tk0 * p.tiles_n + tn) * Rate<TW>::TILE_WORDS + lane;
     if (!FULL) {
         // Up to 8 rows: the decoded tile is the A operand (the lane's 8 weights are exactly the
         // fragment of the transposed tile: outputs grp, grp + 8, inputs 2 tig.., 2 tig + 8..) and
@@ -709,9 +773,9 @@ __device__ __forceinline__ void mma_layer(const Part& p, const void* __restrict_
         // columns are discarded). One mma a tile for its 16 outputs, two unpredicated loads.
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         const int brow = min(grp, m - 1) * ks + 2 * tig;
-        stream_tiles(tl, stride, tk0, tk1, g, prologue, [&](const u32 (&cur)[NLOAD], int tk) {
+        stream_tiles<TW>(tl, stride, tk0, tk1, g, prologue, [&](const u32 (&cur)[Rate<TW>::NLOAD], int tk) {
             u32 w[4];
-            decode8h(cur, g.shift, w);
+            decode8h<TW>(cur, g.shift, w);
             const int o = 16 * (tk - tk0);
             const u32 b0 = *(const u32*)&xs[brow + o], b1 = *(const u32*)&xs[brow + o + 8];
             asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
@@ -748,9 +812,9 @@ __device__ __forceinline__ void mma_layer(const Part& p, const void* __restrict_
             const int r = 16 * i + grp + 8 * j;
             arow[i][j] = r < m ? r * ks + 2 * tig : -1;
         }
-    stream_tiles(tl, stride, tk0, tk1, g, prologue, [&](const u32 (&cur)[NLOAD], int tk) {
+    stream_tiles<TW>(tl, stride, tk0, tk1, g, prologue, [&](const u32 (&cur)[Rate<TW>::NLOAD], int tk) {
             u32 b[4];
-            decode8h(cur, g.shift, b);
+            decode8h<TW>(cur, g.shift, b);
             const int o = 16 * (tk - tk0);
 #pragma unroll
             for (int i = 0; i < MT; i++) {
@@ -795,19 +859,37 @@ __device__ __forceinline__ void mma_layer(const Part& p, const void* __restrict_
     finish_band<MT == 1>(partial, counters, sp, y, ldy, n, m);
 }
 
+// mma_layer at the bitrate of this block's part (block_part computed inside each rate's branch:
+// computed before it and held across the branches, the part's fields spilled).
+template <int MT, bool FULL>
+__device__ __forceinline__ void mma_part(PART_PARAMS, unsigned short* __restrict__ xs, Part& sp,
+                                         const void* __restrict__ x, int x_bf16, int ldx, int cols,
+                                         const unsigned short* __restrict__ xh_pre,
+                                         float* __restrict__ partial, u32* __restrict__ counters,
+                                         float* __restrict__ y, int ldy, int tiles_k,
+                                         int tk_per_split, int m) {
+#define MMA_AT(TW)                                                                                \
+    mma_layer<TW, MT, FULL>(block_part(PART_ARGS), xs, sp, x, x_bf16, ldx, cols, xh_pre, partial, \
+                            counters, y, ldy, tiles_k, tk_per_split, m)
+    AT_PART_RATE(part_twice(block_index(bands0, bands1)), MMA_AT);
+#undef MMA_AT
+}
+
 #define EXL3_MMA(name, MT, FULL, MIN_BLOCKS)                                                      \
     extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS)                                 \
         name(PART_PARAMS, const void* __restrict__ x, int x_bf16, int ldx, int cols,              \
              const unsigned short* __restrict__ xh_pre, float* __restrict__ partial,              \
              u32* __restrict__ counters, float* __restrict__ y, int ldy, int tiles_k,             \
              int tk_per_split, int m) {                                                           \
-        mma_layer<MT, FULL>(block_part(PART_ARGS), x, x_bf16, ldx, cols, xh_pre, partial,         \
-                            counters, y, ldy, tiles_k, tk_per_split, m);                          \
+        __shared__ __align__(16) unsigned short xs[XS_HALVES];                                    \
+        __shared__ Part sp;                                                                       \
+        mma_part<MT, FULL>(PART_NAMES, xs, sp, x, x_bf16, ldx, cols, xh_pre, partial, counters, y, ldy,    \
+                           tiles_k, tk_per_split, m);                                             \
     }
 // The one-tile kernels bounded for MMA_MIN_BLOCKS blocks per SM; the wider ones' accumulators
 // need more registers than that leaves (they would spill). The 32-row kernel fits 80 registers
-// (3 blocks an SM) except at K = 8, where that spills.
-#define MMA32_MIN_BLOCKS (EXL3_TWICE >= 16 ? 2 : 3)
+// (3 blocks an SM) except at K = 8 or with parts at different rates, where that spills.
+#define MMA32_MIN_BLOCKS (EXL3_TWICE >= 16 || EXL3_MIXED ? 2 : 3)
 EXL3_MMA(exl3_mma8, 1, false, MMA_MIN_BLOCKS)
 EXL3_MMA(exl3_mma16, 1, true, MMA_MIN_BLOCKS)
 EXL3_MMA(exl3_mma32, 2, true, MMA32_MIN_BLOCKS)
@@ -826,19 +908,17 @@ EXL3_MMA(exl3_mma64, 4, true, 1)
 // tensor-core kernels' (one launcher), for one row (m = 1).
 #define MUL1_A (1774.0f / 262144.0f)
 #define MUL1_B (1024.0f * (1774.0f / 262144.0f) - 1329.0f / 128.0f)
-extern "C" __global__ void __launch_bounds__(256, MMA_MIN_BLOCKS)
-exl3_q8(PART_PARAMS, const void* __restrict__ x, int x_bf16, int ldx, int cols,
-        const unsigned short* __restrict__ xh_pre /* unused: one launcher */, float* __restrict__ partial, u32* __restrict__ counters, float* __restrict__ y, int ldy,
-        int tiles_k, int tk_per_split, int m) {
-#if EXL3_CB == 2
-    __shared__ __align__(16) signed char xq[XS_HALVES];
-    __shared__ float qs[XS_HALVES / 128];
-    const Part p = block_part(PART_ARGS);
+template <int TW>
+__device__ __forceinline__ void q8_layer(const Part& p, signed char* __restrict__ xq,
+                                         float* __restrict__ qs, Part& sp,
+                                         const void* __restrict__ x, int x_bf16, int ldx, int cols,
+                                         float* __restrict__ partial, u32* __restrict__ counters,
+                                         float* __restrict__ y, int ldy, int tiles_k,
+                                         int tk_per_split) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int tn = p.band * EXL3_WARPS + warp;
     // The part's epilogue fields wait in shared memory, not in registers, through the main loop
     // (written before the prologue's barrier).
-    __shared__ Part sp;
     if (threadIdx.x == 0) sp = p;
     const int tk0 = blockIdx.y * tk_per_split;
     const int tk1 = min(tk0 + tk_per_split, tiles_k);
@@ -863,14 +943,14 @@ exl3_q8(PART_PARAMS, const void* __restrict__ x, int x_bf16, int ldx, int cols,
         __syncthreads();
     };
 
-    const LaneWords g = lane_words(lane);
+    const LaneWords<TW> g = lane_words<TW>(lane);
     const int row0 = 2 * (lane & 3);
-    const long long stride = (long long)p.tiles_n * TILE_WORDS;
-    const u32* tl = p.trellis + ((long long)tk0 * p.tiles_n + tn) * TILE_WORDS + lane;
+    const long long stride = (long long)p.tiles_n * Rate<TW>::TILE_WORDS;
+    const u32* tl = p.trellis + ((long long)tk0 * p.tiles_n + tn) * Rate<TW>::TILE_WORDS + lane;
     float acc0 = 0.0f, acc1 = 0.0f, accx = 0.0f;
-    stream_tiles(tl, stride, tk0, tk1, g, prologue, [&](const u32 (&cur)[NLOAD], int tk) {
+    stream_tiles<TW>(tl, stride, tk0, tk1, g, prologue, [&](const u32 (&cur)[Rate<TW>::NLOAD], int tk) {
             u32 st[8];
-            states8(cur, g.shift, st);
+            states8<TW>(cur, g.shift, st);
             const int o = 16 * (tk - tk0);
             const u32 x4 = *(const unsigned short*)&xq[o + row0] |
                            ((u32) * (const unsigned short*)&xq[o + row0 + 8] << 16);
@@ -900,6 +980,22 @@ exl3_q8(PART_PARAMS, const void* __restrict__ x, int x_bf16, int ldx, int cols,
         o[8] = fmaf(MUL1_A, acc1, MUL1_B * accx);
     }
     finish_band<true>(partial, counters, sp, y, ldy, n, 1);
+}
+
+extern "C" __global__ void __launch_bounds__(256, MMA_MIN_BLOCKS)
+exl3_q8(PART_PARAMS, const void* __restrict__ x, int x_bf16, int ldx, int cols,
+        const unsigned short* __restrict__ xh_pre /* unused: one launcher */,
+        float* __restrict__ partial, u32* __restrict__ counters, float* __restrict__ y, int ldy,
+        int tiles_k, int tk_per_split, int m) {
+#if EXL3_CB == 2
+    __shared__ __align__(16) signed char xq[XS_HALVES];
+    __shared__ float qs[XS_HALVES / 128];
+    __shared__ Part sp;
+#define Q8_AT(TW)                                                                              \
+    q8_layer<TW>(block_part(PART_ARGS), xq, qs, sp, x, x_bf16, ldx, cols, partial, counters, y, ldy, tiles_k,      \
+                 tk_per_split)
+    AT_PART_RATE(part_twice(block_index(bands0, bands1)), Q8_AT);
+#undef Q8_AT
 #else
     __trap();
 #endif
@@ -972,16 +1068,17 @@ extern "C" __global__ void __launch_bounds__(256) exl3_dequant(const u32* __rest
                                                                void* __restrict__ w, int w_f16,
                                                                int tiles_n, int band0, int ld,
                                                                const float* __restrict__ svh) {
+    constexpr int TW = EXL3_TWICE, NLOAD = Rate<TW>::NLOAD, TILE_WORDS = Rate<TW>::TILE_WORDS;
     pdl_wait();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int tc = blockIdx.x * EXL3_WARPS + warp;
     const int tn = band0 * EXL3_WARPS + tc;
     const int tk0 = blockIdx.y * DQ_TILES;
-    const LaneWords g = lane_words(lane);
+    const LaneWords<TW> g = lane_words<TW>(lane);
     u32 words[DQ_TILES][NLOAD];
 #pragma unroll
     for (int t = 0; t < DQ_TILES; t++)
-        load_words(trellis + ((long long)(tk0 + t) * tiles_n + tn) * TILE_WORDS, g, words[t]);
+        load_words<TW>(trellis + ((long long)(tk0 + t) * tiles_n + tn) * TILE_WORDS, g, words[t]);
     if (w_f16) {
         // The fp16 decoder (the tensor-core kernels' values), through shared memory so the band's
         // rows go out as whole 16-byte stores: a block writes 16 DQ_TILES rows x 128 columns.
@@ -989,7 +1086,7 @@ extern "C" __global__ void __launch_bounds__(256) exl3_dequant(const u32* __rest
 #pragma unroll
         for (int t = 0; t < DQ_TILES; t++) {
             u32 h[4];
-            decode8h(words[t], g.shift, h);
+            decode8h<TW>(words[t], g.shift, h);
 #pragma unroll
             for (int j = 0; j < 8; j++)
                 band[16 * t + frag_row(lane, j)][16 * warp + frag_col(lane, j)] =
@@ -1023,7 +1120,7 @@ extern "C" __global__ void __launch_bounds__(256) exl3_dequant(const u32* __rest
 #pragma unroll
         for (int t = 0; t < DQ_TILES; t++) {
             float v[8];
-            decode8(words[t], g.shift, v);
+            decode8<TW>(words[t], g.shift, v);
 #pragma unroll
             for (int j = 0; j < 8; j++)
                 ((float*)w)[(long long)((tk0 + t) * 16 + frag_row(lane, j)) * ld + tc * 16 +

@@ -16,6 +16,7 @@ pub mod hadamard;
 mod kernel;
 pub mod matmul;
 pub mod quantize;
+pub mod rates;
 pub mod simd;
 pub mod trellis;
 
@@ -24,6 +25,7 @@ use half::f16;
 pub use codebook::Codebook;
 pub use hadamard::hadamard128;
 pub use kernel::matmul_inner;
+pub use rates::{Exl3Rates, PROJECTIONS};
 pub use trellis::{Bitrate, POSITION_INDEX};
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]

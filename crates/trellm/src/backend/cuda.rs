@@ -98,12 +98,12 @@ impl CudaModel {
     }
 
     /// Seeded synthetic weights of a named shape (`bench --shape`), generated on the device;
-    /// EXL3 layers of a codebook and bitrate with `exl3`; split over `tensor_parallel` GPUs (each
+    /// EXL3 layers of a codebook and rates with `exl3`; split over `tensor_parallel` GPUs (each
     /// rank's shard seeded on its own: a timing model, not one whose ranks sum to a whole).
     pub fn synthetic(
         shape: &str,
         capacity: usize,
-        exl3: Option<(trellm_quant::exl3::Codebook, trellm_quant::exl3::Bitrate)>,
+        exl3: Option<trellm_quant::exl3::Exl3Rates>,
         tensor_parallel: usize,
     ) -> Result<CudaModel> {
         if !available() {

@@ -48,9 +48,11 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 512)]
     pub context: usize,
     /// cuda, with `--shape`: every projection as synthetic EXL3 weights, `CODEBOOK:BITS`
-    /// (mul1, mcg or 3inst; 1..8, or 1.5, 2.5, 3.5), the head at 6 bits as exllamav3 converts it.
-    #[arg(long, value_name = "CODEBOOK:BITS", value_parser = parse_exl3)]
-    pub exl3: Option<Exl3Spec>,
+    /// (mul1, mcg or 3inst; 1..8, or 1.5, 2.5, 3.5), some at other rates with `,PROJ=BITS`
+    /// (q, k, v, o, gate, up, down; e.g. `mul1:3,k=4,v=4,up=4`); the head at 6 bits as exllamav3
+    /// converts it.
+    #[arg(long, value_name = "CODEBOOK:BITS[,PROJ=BITS...]", value_parser = parse_exl3)]
+    pub exl3: Option<Exl3Rates>,
     /// cuda, with `--shape --exl3 mul1:K`: decode's one-row steps on the fast path (int8
     /// activations through dp4a, as exllamav3's default; not the exact path).
     #[arg(long)]
@@ -61,28 +63,10 @@ pub struct BenchArgs {
     pub tensor_parallel: usize,
 }
 
-/// A codebook and bitrate of synthetic EXL3 weights (`--exl3`).
-#[derive(Debug, Clone, Copy)]
-pub struct Exl3Spec {
-    pub codebook: trellm_quant::exl3::Codebook,
-    pub rate: trellm_quant::exl3::Bitrate,
-}
+use trellm_quant::exl3::Exl3Rates;
 
-fn parse_exl3(s: &str) -> Result<Exl3Spec, String> {
-    use trellm_quant::exl3::{Bitrate, Codebook};
-    let (cb, bits) = s
-        .split_once(':')
-        .ok_or_else(|| format!("'{s}': expected CODEBOOK:BITS, e.g. mul1:3"))?;
-    let codebook = Codebook::from_name(cb)
-        .ok_or_else(|| format!("unknown codebook '{cb}' (mul1, mcg, 3inst)"))?;
-    let bad = || format!("'{bits}' bits: 1..8 or 1.5, 2.5, 3.5");
-    let b: f32 = bits.parse().map_err(|_| bad())?;
-    let twice = b * 2.0;
-    if !(1.0..=16.0).contains(&twice) || twice.fract() != 0.0 {
-        return Err(bad());
-    }
-    let rate = Bitrate::from_tile_words(8 * twice as usize).map_err(|_| bad())?;
-    Ok(Exl3Spec { codebook, rate })
+fn parse_exl3(s: &str) -> Result<Exl3Rates, String> {
+    Exl3Rates::parse(s)
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

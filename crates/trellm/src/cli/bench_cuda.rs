@@ -17,9 +17,8 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         bail!("--device cuda: {}", cuda::unavailable_reason());
     }
     if let (Some(sizes), Some(shape)) = (&a.batch, &a.shape) {
-        let exl3 = a.exl3.map(|e| (e.codebook, e.rate));
         let model =
-            cuda::CudaModel::synthetic(shape, a.n_prompt + a.n_gen, exl3, a.tensor_parallel)?;
+            cuda::CudaModel::synthetic(shape, a.n_prompt + a.n_gen, a.exl3, a.tensor_parallel)?;
         super::bench::batched_on(a, &model, &format!("--shape {shape}"), sizes)?;
         if a.tensor_parallel > 1 {
             return Ok(());
@@ -60,7 +59,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         n_gen: a.n_gen.max(1),
         repetitions: a.repetitions,
         seed: 1,
-        exl3: a.exl3.map(|e| (e.codebook, e.rate)),
+        exl3: a.exl3,
         exl3_int8: a.exl3_int8,
     };
     let r = trellm_cuda::bench::run(shape, &o)?;
@@ -68,7 +67,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     let obj = serde_json::json!({
         "device": r.device,
         "shape": r.shape,
-        "weights": a.exl3.map_or("bf16".to_string(), |e| format!("exl3 {:?} {} bits (head 6)", e.codebook, e.rate.bits())),
+        "weights": a.exl3.map_or("bf16".to_string(), |e| format!("{} (head {})", e.describe(), trellm_cuda::dense::SYNTHETIC_HEAD_BITS)),
         "exl3_int8": a.exl3_int8,
         "copy_tb_s": copy / 1e12,
         "gemm_bf16_tflop_s": r.gemm_flops_bf16_out / 1e12,
