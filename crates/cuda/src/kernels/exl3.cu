@@ -197,10 +197,32 @@ __device__ __forceinline__ void load_words(const u32* __restrict__ tile, const L
     for (int i = 0; i < Rate<TW>::NLOAD; i++) w[i] = __ldg(tile + g.idx[i]);
 }
 
+// The shift to the first window that every lane has, or -1 where lanes differ (K = 4 and 8:
+// a lane's 8 positions are whole words of the stream).
+template <int TW>
+__host__ __device__ constexpr int common_shift() {
+    for (int l = 1; l < 32; l++)
+        if ((lane_start<TW>(l) & 31) != (lane_start<TW>(0) & 31)) return -1;
+    return lane_start<TW>(0) & 31;
+}
+
 // The lane's 8 16-bit states (positions 8L..8L+7) from its loaded words.
 template <int TW>
 __device__ __forceinline__ void states8(const u32 (&w)[Rate<TW>::NLOAD], int shift, u32 (&st)[8]) {
     constexpr int NLOAD = Rate<TW>::NLOAD, NALIGN = Rate<TW>::NALIGN;
+    constexpr int FIXED = common_shift<TW>();
+    if (FIXED >= 0 && NLOAD <= 2) {
+        // Each window straight from the loaded words, without an aligned copy of the stream
+        // first: 2 instructions a tile fewer at K = 4. (At K = 8, over 3 words, the 16-row
+        // kernel spilled.)
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const int o = FIXED + pos_off<TW>(j), q = o >> 5, r = o & 31;
+            st[j] = r <= 16 ? (w[q] >> (16 - r)) & 0xffffu
+                            : __funnelshift_l(q + 1 < NLOAD ? w[q + 1] : 0u, w[q], r) >> 16;
+        }
+        return;
+    }
     // The stream from the lane's first window on, in NALIGN big-endian words (+1 of zeros).
     u32 a[NALIGN + 1];
 #pragma unroll
