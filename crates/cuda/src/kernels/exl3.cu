@@ -738,7 +738,9 @@ __device__ __forceinline__ void finish_band(const float* __restrict__ partial,
 // Epilogue: the last block of a band to finish (a counter per band, reset by that block for the
 // next launch) sums the band's partials in split order (so runs are bit-identical), rotates them
 // back and scales. Grid (n / 128, splits), 8 warps; warp w takes tile column 8 blockIdx.x + w.
-template <int TW, int MT, bool FULL>
+// FINISH: whether the band's finish runs here, at the end (one rate), or after (a kernel with
+// parts at several rates: one copy of it for all of them).
+template <int TW, int MT, bool FULL, bool FINISH>
 __device__ __forceinline__ void mma_layer(const Part& p, unsigned short* __restrict__ xs,
                                           Part& sp, const void* __restrict__ x, int x_bf16,
                                           int ldx, int cols,
@@ -815,7 +817,7 @@ __device__ __forceinline__ void mma_layer(const Part& p, unsigned short* __restr
                 pp[(long long)r * n + 8] = acc[2 + h];
             }
         }
-        finish_band<true>(partial, counters, sp, y, ldy, n, m);
+        if (FINISH) finish_band<true>(partial, counters, sp, y, ldy, n, m);
         return;
     }
     float acc[MT][2][4];
@@ -878,7 +880,7 @@ __device__ __forceinline__ void mma_layer(const Part& p, unsigned short* __restr
                 }
             }
 
-    finish_band<MT == 1>(partial, counters, sp, y, ldy, n, m);
+    if (FINISH) finish_band<MT == 1>(partial, counters, sp, y, ldy, n, m);
 }
 
 // mma_layer at the bitrate of this block's part (block_part computed inside each rate's branch:
@@ -891,10 +893,13 @@ __device__ __forceinline__ void mma_part(PART_PARAMS, unsigned short* __restrict
                                          float* __restrict__ y, int ldy, int tiles_k,
                                          int tk_per_split, int m) {
 #define MMA_AT(TW)                                                                                \
-    mma_layer<TW, MT, FULL>(block_part(PART_ARGS), xs, sp, x, x_bf16, ldx, cols, xh_pre, partial, \
-                            counters, y, ldy, tiles_k, tk_per_split, m)
+    mma_layer<TW, MT, FULL, !EXL3_MIXED>(block_part(PART_ARGS), xs, sp, x, x_bf16, ldx, cols,     \
+                                         xh_pre, partial, counters, y, ldy, tiles_k,              \
+                                         tk_per_split, m)
     AT_PART_RATE(part_twice(block_index(bands0, bands1)), MMA_AT);
 #undef MMA_AT
+    if (EXL3_MIXED)
+        finish_band<!FULL || MT == 1>(partial, counters, sp, y, ldy, (long long)gridDim.x * 128, m);
 }
 
 #define EXL3_MMA(name, MT, FULL, MIN_BLOCKS)                                                      \
@@ -930,7 +935,8 @@ EXL3_MMA(exl3_mma64, 4, true, 1)
 // tensor-core kernels' (one launcher), for one row (m = 1).
 #define MUL1_A (1774.0f / 262144.0f)
 #define MUL1_B (1024.0f * (1774.0f / 262144.0f) - 1329.0f / 128.0f)
-template <int TW>
+// FINISH as mma_layer's.
+template <int TW, bool FINISH>
 __device__ __forceinline__ void q8_layer(const Part& p, signed char* __restrict__ xq,
                                          float* __restrict__ qs, Part& sp,
                                          const void* __restrict__ x, int x_bf16, int ldx, int cols,
@@ -1001,7 +1007,7 @@ __device__ __forceinline__ void q8_layer(const Part& p, signed char* __restrict_
         o[0] = fmaf(MUL1_A, acc0, MUL1_B * accx);
         o[8] = fmaf(MUL1_A, acc1, MUL1_B * accx);
     }
-    finish_band<true>(partial, counters, sp, y, ldy, n, 1);
+    if (FINISH) finish_band<true>(partial, counters, sp, y, ldy, n, 1);
 }
 
 extern "C" __global__ void __launch_bounds__(256, MMA_MIN_BLOCKS)
@@ -1014,10 +1020,11 @@ exl3_q8(PART_PARAMS, const void* __restrict__ x, int x_bf16, int ldx, int cols,
     __shared__ float qs[XS_HALVES / 128];
     __shared__ Part sp;
 #define Q8_AT(TW)                                                                              \
-    q8_layer<TW>(block_part(PART_ARGS), xq, qs, sp, x, x_bf16, ldx, cols, partial, counters, y, ldy, tiles_k,      \
-                 tk_per_split)
+    q8_layer<TW, !EXL3_MIXED>(block_part(PART_ARGS), xq, qs, sp, x, x_bf16, ldx, cols, partial, \
+                              counters, y, ldy, tiles_k, tk_per_split)
     AT_PART_RATE(part_twice(block_index(bands0, bands1)), Q8_AT);
 #undef Q8_AT
+    if (EXL3_MIXED) finish_band<true>(partial, counters, sp, y, ldy, (long long)gridDim.x * 128, 1);
 #else
     __trap();
 #endif
