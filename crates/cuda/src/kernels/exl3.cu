@@ -3,7 +3,8 @@
 // W_inner is stored as 16x16 tail-biting tiles, int16 [k/16][n/16][16 K] (crates/quant/src/exl3,
 // the CPU twin every kernel here is checked against). One module per codebook (EXL3_CB: 0 = 3INST,
 // 1 = MCG, 2 = MUL1) and bitrate (EXL3_TWICE = 2 K: 2..16 even, or 3/5/7 for 1.5/2.5/3.5), so the
-// bit positions below are compile-time constants.
+// bit positions below are compile-time constants (the multi-part kernels' other parts may have
+// rates of their own: EXL3_TWICE1, EXL3_TWICE2).
 //
 // Three launches: exl3_in (x * suh, H128 -> xh), exl3_gemv (decode in registers, f32 partial sums
 // over a k-split), exl3_out (the partial sums in a fixed order, H128, * svh, + bias). The split is
@@ -47,7 +48,7 @@
 #define MMA_MIN_BLOCKS 4
 #else
 // Parts at different rates: both rates' layers in one kernel spilled a few bytes at 64
-// registers.
+// registers (and bounded for 4 with those spills, measured no faster; session 29).
 #define MMA_MIN_BLOCKS 3
 #endif
 #endif
