@@ -402,6 +402,9 @@ fn flags_are_checked_before_anything_is_fetched() {
         (&["--n-gen", "18446744073709551615"], "--n-gen"),
         (&["--repetitions", "0"], "--repetitions"),
         (&["--repetitions", "100000000"], "--repetitions"),
+        (&["--exl3", "mul1:3,x=4"], "unknown projection 'x'"),
+        (&["--exl3", "mul1:3,up"], "PROJECTION=BITS"),
+        (&["--exl3", "mul1:2.25"], "'2.25' bits"),
     ];
     for (extra, needle) in bench {
         let mut args = vec!["bench", "--model", m];
