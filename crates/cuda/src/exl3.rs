@@ -190,12 +190,12 @@ impl Exl3Kernels {
     }
 
     /// Whether the multi-part kernels take these layers (their rates, part by part).
+    /// (Up to [`MAX_PARTS`] of them, which `Exl3Linear::joinable` checks.)
     fn takes(&self, parts: &[Exl3Linear]) -> bool {
-        parts.len() <= MAX_PARTS
-            && parts
-                .iter()
-                .zip(&self.rates)
-                .all(|(p, &r)| p.shape.rate == r)
+        parts
+            .iter()
+            .zip(&self.rates)
+            .all(|(p, &r)| p.shape.rate == r)
     }
 
     /// With `extra` defines (variants for a measurement).

@@ -592,11 +592,11 @@ __device__ __forceinline__ int block_index(int bands0, int bands1) {
     return b < bands0 ? 0 : b < bands0 + bands1 ? 1 : 2;
 }
 __device__ __forceinline__ Part block_part(PART_BASE_PARAMS, RopeKv rope) {
-    const int b = blockIdx.x;
+    const int b = blockIdx.x, index = block_index(bands0, bands1);
     Part p;
-    if (b < bands0) {
+    if (index == 0) {
         p = Part{t0, suh0, svh0, bias0, rows0, 8 * bands0, b, 0, 0};
-    } else if (b < bands0 + bands1) {
+    } else if (index == 1) {
         p = Part{t1, suh1, svh1, bias1, rows1, 8 * bands1, b - bands0, rows0, 1};
     } else {
         p = Part{t2,    suh2, svh2, bias2, rows2, 8 * ((int)gridDim.x - bands0 - bands1),

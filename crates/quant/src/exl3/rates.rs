@@ -13,7 +13,7 @@ pub struct Exl3Rates {
     pub codebook: Codebook,
     pub rate: Bitrate,
     /// The rates of [`PROJECTIONS`] that are not `rate`.
-    pub other: [Option<Bitrate>; 7],
+    pub other: [Option<Bitrate>; PROJECTIONS.len()],
 }
 
 impl Exl3Rates {
@@ -21,7 +21,7 @@ impl Exl3Rates {
         Exl3Rates {
             codebook,
             rate,
-            other: [None; 7],
+            other: [None; PROJECTIONS.len()],
         }
     }
 

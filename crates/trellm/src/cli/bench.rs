@@ -7,6 +7,7 @@ use anyhow::{bail, Result};
 use clap::Args;
 
 use trellm_model::{Batch, BlockPool, BlockTable, ModelBackend, Want};
+use trellm_quant::exl3::Exl3Rates;
 
 use super::ModelArgs;
 use crate::backend::{Device, SoloSequence, BLOCK_SIZE};
@@ -51,7 +52,7 @@ pub struct BenchArgs {
     /// (mul1, mcg or 3inst; 1..8, or 1.5, 2.5, 3.5), some at other rates with `,PROJ=BITS`
     /// (q, k, v, o, gate, up, down; e.g. `mul1:3,k=4,v=4,up=4`); the head at 6 bits as exllamav3
     /// converts it.
-    #[arg(long, value_name = "CODEBOOK:BITS[,PROJ=BITS...]", value_parser = parse_exl3)]
+    #[arg(long, value_name = "CODEBOOK:BITS[,PROJ=BITS...]", value_parser = Exl3Rates::parse)]
     pub exl3: Option<Exl3Rates>,
     /// cuda, with `--shape --exl3 mul1:K`: decode's one-row steps on the fast path (int8
     /// activations through dp4a, as exllamav3's default; not the exact path).
@@ -61,12 +62,6 @@ pub struct BenchArgs {
     /// parallelism, NCCL).
     #[arg(long, default_value_t = 1, value_parser = clap::builder::TypedValueParser::map(clap::value_parser!(u16).range(1..=64), usize::from))]
     pub tensor_parallel: usize,
-}
-
-use trellm_quant::exl3::Exl3Rates;
-
-fn parse_exl3(s: &str) -> Result<Exl3Rates, String> {
-    Exl3Rates::parse(s)
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
