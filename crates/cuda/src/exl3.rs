@@ -416,13 +416,20 @@ const BLOCK_COST_TILES: usize = 8;
 /// (12.5 us against 13.5 at the 16 of the rule before), o 16 (9.8), gate/up 4 (40.2), down 16 (21.9
 /// against 24.1 at 23). More rows: [`MMA_BLOCKS_PER_SM`].
 pub fn mma_split(shape: &Exl3Shape, sm_count: usize, m: usize) -> (usize, usize) {
+    split_within(shape, sm_count, m, mma_per_max(m))
+}
+
+/// [`mma_split`] with at most `per_max` tile rows a split.
+fn split_within(shape: &Exl3Shape, sm_count: usize, m: usize, per_max: usize) -> (usize, usize) {
     if m > MMA8_ROWS {
-        return mma_split_for(shape, sm_count, m, MMA_BLOCKS_PER_SM);
+        let (_, per) = mma_split_for(shape, sm_count, m, MMA_BLOCKS_PER_SM);
+        let per = per.min(per_max);
+        return (shape.tiles_k().max(8).div_ceil(per), per);
     }
     let tiles_k = shape.tiles_k().max(8);
     let bands = (shape.n / 128).max(1);
     let sms = sm_count.max(1);
-    (8..=tiles_k.next_multiple_of(8).min(mma_per_max(m)))
+    (8..=tiles_k.next_multiple_of(8).min(per_max))
         .step_by(8)
         .map(|per| {
             let splits = tiles_k.div_ceil(per);
@@ -440,6 +447,10 @@ pub fn mma_split(shape: &Exl3Shape, sm_count: usize, m: usize) -> (usize, usize)
         .min_by_key(|&(key, _)| key)
         .map_or((1, 8), |(_, split)| split)
 }
+
+/// Most tile rows a split of the int8 GEMV (`exl3_q8`) takes: its inputs as 4-byte splats fit
+/// `Q8_INPUTS` (exl3.cu).
+const Q8_PER_MAX: usize = 744;
 
 /// Most tile rows a split of the tensor-core GEMV takes for `m` rows: its inputs of every row fit
 /// the block's [`XS_HALVES`] (with the 8 of padding a row).
@@ -1169,7 +1180,7 @@ fn int8_row(
         "the int8 trellis GEMV is MUL1's, not {:?}'s",
         l.shape.codebook
     );
-    launch_rows(gpu, s, &l.k.q8, parts, 1, x, y, ldy, epi)
+    launch_rows(gpu, s, &l.k.q8, Q8_PER_MAX, parts, 1, x, y, ldy, epi)
 }
 
 /// The tensor-core GEMV for `m <= MMA_ROWS` rows of all `parts`: one launch, both Hadamards
@@ -1193,16 +1204,18 @@ fn mma_rows(
         33..=MMA_ROWS => &k.mma[3],
         _ => bail!("the tensor-core GEMV takes 1..={MMA_ROWS} rows, not {m}"),
     };
-    launch_rows(gpu, s, f, parts, m, x, y, ldy, epi)
+    launch_rows(gpu, s, f, mma_per_max(m), parts, m, x, y, ldy, epi)
 }
 
 /// Launches `f` (a tensor-core or int8 GEMV: `PART_PARAMS` and the rows' arguments) on `m` rows
-/// of `parts`, split for the scratch's blocks per SM.
+/// of `parts`, split for the scratch's blocks per SM, at most `per_max` tile rows a split (what
+/// its shared inputs hold).
 #[allow(clippy::too_many_arguments)]
 fn launch_rows(
     gpu: &Gpu,
     s: &Exl3Scratch,
     f: &CudaFunction,
+    per_max: usize,
     parts: &[&Exl3Linear],
     m: usize,
     x: Rows,
@@ -1213,13 +1226,15 @@ fn launch_rows(
     let shape = parts_shape(parts);
     let n = shape.n;
     let (splits, per) = match s.mma_per_sm {
-        Some(per_sm) => mma_split_for(&shape, gpu.sm_count, m, per_sm),
-        None => mma_split(&shape, gpu.sm_count, m),
+        Some(per_sm) => {
+            let (_, per) = mma_split_for(&shape, gpu.sm_count, m, per_sm);
+            let per = per.min(per_max);
+            (shape.tiles_k().max(8).div_ceil(per), per)
+        }
+        None => split_within(&shape, gpu.sm_count, m, per_max),
     };
     ensure!(
-        s.partial.len() >= splits * m * n
-            && s.counters.len() >= n / 128
-            && m * (16 * per + 8) <= XS_HALVES,
+        s.partial.len() >= splits * m * n && s.counters.len() >= n / 128 && per <= per_max,
         "EXL3 scratch too small for {m} rows of {}x{n}",
         shape.k
     );

@@ -461,16 +461,21 @@ EXL3_GEMV(exl3_gemv, 1)
 // 8)).
 #define XS_HALVES 24320
 
+// Where input i (0..15) of a 16-input group sits in the int8 path's shared inputs: the four
+// inputs of a lane's weights (2 tig, 2 tig + 1, 2 tig + 8, 2 tig + 9) side by side, so one
+// 128-bit load reads them.
+__device__ __forceinline__ int xs_pos(int i) { return ((i & 6) << 1) | ((i >> 2) & 2) | (i & 1); }
+
 // Streams tile rows tk0..tk1 of one tile column, starting at tl (its first tile's words + lane)
 // with `stride` words between tile rows: two buffers of MMA_DEPTH tile rows in turn, one in
 // flight while the other is used (so tk1 - tk0 must be whole pairs of steps: 2 MMA_DEPTH tile
 // rows). Each tile's words are loaded coalesced (lane L holds words L and L + 32) and handed to
 // the lanes that decode them by shuffles; tile(cur, tk) then gets this lane's NLOAD words of
-// tile row tk.
-template <int TW, class Prologue, class Tile>
+// tile row tk, and turn(tk) runs after tile rows tk .. tk + 7 (a 128-input block).
+template <int TW, class Prologue, class Tile, class Turn>
 __device__ __forceinline__ void stream_tiles(const u32* __restrict__ tl, long long stride, int tk0,
                                              int tk1, const LaneWords<TW>& g, Prologue prologue,
-                                             Tile tile) {
+                                             Tile tile, Turn turn) {
     constexpr int OWN = Rate<TW>::OWN, NLOAD = Rate<TW>::NLOAD, TILE_WORDS = Rate<TW>::TILE_WORDS;
     const int lane = threadIdx.x & 31;
     // Lanes past the tile's words load one of its words again (never used) instead of
@@ -515,7 +520,15 @@ __device__ __forceinline__ void stream_tiles(const u32* __restrict__ tl, long lo
         step(wb, tk + MMA_DEPTH);
         if (tk + 3 * MMA_DEPTH < tk1) load(tl + 3 * MMA_DEPTH * stride, wb);
         tl += 2 * MMA_DEPTH * stride;
+        turn(tk);
     }
+}
+// stream_tiles with nothing to do between turns.
+template <int TW, class Prologue, class Tile>
+__device__ __forceinline__ void stream_tiles(const u32* __restrict__ tl, long long stride, int tk0,
+                                             int tk1, const LaneWords<TW>& g, Prologue prologue,
+                                             Tile tile) {
+    stream_tiles<TW>(tl, stride, tk0, tk1, g, prologue, tile, [](int) {});
 }
 
 // Up to three layers of one module that take the same input (q, k, v; gate, up) run as one
@@ -925,21 +938,27 @@ EXL3_MMA(exl3_mma64, 4, true, 1)
 
 // The fast path (MUL1 only): one row's whole layer in one launch, as exllamav3's default int8
 // GEMV computes it. Prologue: the block rotates its split's inputs, xq = H128(x * suh) as int8
-// with one scale per 128-block (qs = max |v| / 127), into shared memory. A MUL1 weight is affine
-// in the byte sum s of its state's product, w ~ A s + B (A = 1774 / 2^18, B = 1024 A - 1329 / 128;
-// the codec rounds that to fp16, this path does not), so one dp4a of the product's bytes against
-// the activation's splat gives s * xq, and
-//   sum_k w_k x_k ~ sum_blocks qs[b] (A sum_k s_k xq_k + B sum_k xq_k).
-// Tiles are streamed as in the tensor-core GEMV (stream_tiles); lane L sums inputs 2(L&3) + {0, 1, 8, 9}
-// of columns L/4 and L/4 + 8 of its warp's tile column. Epilogue: finish_band. Grid (n / 128,
-// splits), 8 warps. Other codebooks have no such form and never launch it. Its parameters are the
-// tensor-core kernels' (one launcher), for one row (m = 1).
+// with one scale per 128-block (qs = max |v| / 127), into shared memory, each input's byte
+// repeated four times (a splat) and each 16-input group in xs_pos order, so one 128-bit load
+// gives a lane the splats of its four inputs of a tile. A MUL1 weight is affine in the byte sum s
+// of its state's product, w ~ A s + B (A = 1774 / 2^18, B = 1024 A - 1329 / 128; the codec
+// rounds that to fp16, this path does not), so one dp4a of the product's bytes against the
+// splat gives s * xq, summed as integers over a 128-block's tiles (at most 4.1M: exact in f32),
+// and
+//   sum_k w_k x_k ~ sum_blocks qs[b] (A sum_k s_k xq_k + B sum_k xq_k),
+// the second sum (qx[b] = qs[b] sum_k xq_k) taken once in the prologue. Tiles are streamed as in
+// the tensor-core GEMV (stream_tiles); lane L sums inputs 2(L&3) + {0, 1, 8, 9} of columns L/4
+// and L/4 + 8 of its warp's tile column. Epilogue: finish_band. Grid (n / 128, splits), 8 warps;
+// a split is at most Q8_INPUTS inputs (exl3::Q8_PER_MAX tile rows). Other codebooks have no such
+// form and never launch it. Its parameters are the tensor-core kernels' (one launcher), for one
+// row (m = 1).
 #define MUL1_A (1774.0f / 262144.0f)
 #define MUL1_B (1024.0f * (1774.0f / 262144.0f) - 1329.0f / 128.0f)
+#define Q8_INPUTS 11904
 // FINISH as mma_layer's.
 template <int TW, bool FINISH>
-__device__ __forceinline__ void q8_layer(const Part& p, signed char* __restrict__ xq,
-                                         float* __restrict__ qs, Part& sp,
+__device__ __forceinline__ void q8_layer(const Part& p, u32* __restrict__ xq,
+                                         float* __restrict__ qs, float* __restrict__ qx, Part& sp,
                                          const void* __restrict__ x, int x_bf16, int ldx, int cols,
                                          float* __restrict__ partial, u32* __restrict__ counters,
                                          float* __restrict__ y, int ldy, int tiles_k,
@@ -960,48 +979,62 @@ __device__ __forceinline__ void q8_layer(const Part& p, signed char* __restrict_
             const float amax =
                 warp_max(fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3]))));
             const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            u32 packed = 0;
+            int q[4], sum = 0;
 #pragma unroll
             for (int i = 0; i < 4; i++) {
-                const int q = max(-127, min(127, __float2int_rn(v[i] * inv)));
-                packed |= ((u32)q & 0xffu) << (8 * i);
+                q[i] = max(-127, min(127, __float2int_rn(v[i] * inv)));
+                sum += q[i];
             }
-            *(u32*)&xq[128 * b + 4 * lane] = packed;
-            if (lane == 0) qs[b] = amax / 127.0f;
+            // Inputs 4 lane .. 4 lane + 3: two pairs, each whole in xs_pos order.
+            u32* group = &xq[128 * b + 16 * (lane >> 2)];
+            const int i0 = 4 * (lane & 3);
+            *(uint2*)&group[xs_pos(i0)] =
+                make_uint2(((u32)q[0] & 0xffu) * 0x01010101u, ((u32)q[1] & 0xffu) * 0x01010101u);
+            *(uint2*)&group[xs_pos(i0 + 2)] =
+                make_uint2(((u32)q[2] & 0xffu) * 0x01010101u, ((u32)q[3] & 0xffu) * 0x01010101u);
+#pragma unroll
+            for (int m = 16; m > 0; m >>= 1) sum += __shfl_xor_sync(FULL_MASK, sum, m);
+            if (lane == 0) {
+                qs[b] = amax / 127.0f;
+                qx[b] = (amax / 127.0f) * (float)sum;
+            }
         }
         __syncthreads();
     };
 
     const LaneWords<TW> g = lane_words<TW>(lane);
-    const int row0 = 2 * (lane & 3);
     const long long stride = (long long)p.tiles_n * Rate<TW>::TILE_WORDS;
     const u32* tl = p.trellis + ((long long)tk0 * p.tiles_n + tn) * Rate<TW>::TILE_WORDS + lane;
-    float acc0 = 0.0f, acc1 = 0.0f, accx = 0.0f;
-    stream_tiles<TW>(tl, stride, tk0, tk1, g, prologue, [&](const u32 (&cur)[Rate<TW>::NLOAD], int tk) {
+    const u32* xl = xq + 4 * (lane & 3);
+    float acc0 = 0.0f, acc1 = 0.0f;
+    int d0 = 0, d1 = 0;
+    stream_tiles<TW>(
+        tl, stride, tk0, tk1, g, prologue,
+        [&](const u32 (&cur)[Rate<TW>::NLOAD], int tk) {
             u32 st[8];
             states8<TW>(cur, g.shift, st);
-            const int o = 16 * (tk - tk0);
-            const u32 x4 = *(const unsigned short*)&xq[o + row0] |
-                           ((u32) * (const unsigned short*)&xq[o + row0 + 8] << 16);
-            int d0 = 0, d1 = 0, dx;
+            // The splats of inputs 2(L&3) + {0, 1, 8, 9}: decode8's positions j and j + 4.
+            const uint4 xs4 = *(const uint4*)&xl[16 * (tk - tk0)];
+            const u32 splat[4] = {xs4.x, xs4.y, xs4.z, xs4.w};
 #pragma unroll
             for (int j = 0; j < 4; j++) {
-                const u32 splat = __byte_perm(x4, 0u, j * 0x1111u);
-                asm("dp4a.u32.s32 %0, %1, %2, %0;" : "+r"(d0) : "r"(st[j] * 0x83DCD12Du), "r"(splat));
-                asm("dp4a.u32.s32 %0, %1, %2, %0;" : "+r"(d1) : "r"(st[4 + j] * 0x83DCD12Du), "r"(splat));
+                asm("dp4a.u32.s32 %0, %1, %2, %0;" : "+r"(d0) : "r"(st[j] * 0x83DCD12Du), "r"(splat[j]));
+                asm("dp4a.u32.s32 %0, %1, %2, %0;" : "+r"(d1) : "r"(st[4 + j] * 0x83DCD12Du), "r"(splat[j]));
             }
-            asm("dp4a.s32.u32 %0, %1, %2, %3;" : "=r"(dx) : "r"(x4), "r"(0x01010101u), "r"(0));
-            const float q = qs[o >> 7];
+        },
+        [&](int tk) {
+            const float q = qs[(tk - tk0) >> 3];
             acc0 = fmaf(q, (float)d0, acc0);
             acc1 = fmaf(q, (float)d1, acc1);
-            accx = fmaf(q, (float)dx, accx);
-    });
+            d0 = d1 = 0;
+        });
+    float accx = 0.0f;
+    for (int b = 0; b < kw / 128; b++) accx += qx[b];
     // The 4 lanes of a column, in a fixed order.
 #pragma unroll
     for (int m = 1; m <= 2; m <<= 1) {
         acc0 += __shfl_xor_sync(FULL_MASK, acc0, m);
         acc1 += __shfl_xor_sync(FULL_MASK, acc1, m);
-        accx += __shfl_xor_sync(FULL_MASK, accx, m);
     }
     if ((lane & 3) == 0) {
         float* o = partial + (long long)blockIdx.y * n + blockIdx.x * 128 + warp * 16 + (lane >> 2);
@@ -1017,12 +1050,12 @@ exl3_q8(PART_PARAMS, const void* __restrict__ x, int x_bf16, int ldx, int cols,
         float* __restrict__ partial, u32* __restrict__ counters, float* __restrict__ y, int ldy,
         int tiles_k, int tk_per_split, int m) {
 #if EXL3_CB == 2
-    __shared__ __align__(16) signed char xq[XS_HALVES];
-    __shared__ float qs[XS_HALVES / 128];
+    __shared__ __align__(16) u32 xq[Q8_INPUTS];
+    __shared__ float qs[Q8_INPUTS / 128], qx[Q8_INPUTS / 128];
     __shared__ Part sp;
 #define Q8_AT(TW)                                                                              \
-    q8_layer<TW, !EXL3_MIXED>(block_part(PART_ARGS), xq, qs, sp, x, x_bf16, ldx, cols, partial, \
-                              counters, y, ldy, tiles_k, tk_per_split)
+    q8_layer<TW, !EXL3_MIXED>(block_part(PART_ARGS), xq, qs, qx, sp, x, x_bf16, ldx, cols,      \
+                              partial, counters, y, ldy, tiles_k, tk_per_split)
     AT_PART_RATE(part_twice(block_index(bands0, bands1)), Q8_AT);
 #undef Q8_AT
     if (EXL3_MIXED) finish_band<true>(partial, counters, sp, y, ldy, (long long)gridDim.x * 128, 1);
