@@ -41,7 +41,7 @@ bench() { # label, extra flags
 bench exl3-mul1-3 --exl3 mul1:3
 bench exl3-mul1-2 --exl3 mul1:2
 bench exl3-mul1-4 --exl3 mul1:4
-for k in 2 3 4; do bench exl3-mul1-$k-int8 --exl3 mul1:$k --exl3-int8; done
+for k in 2 3 4; do bench exl3-mul1-$k-exact --exl3 mul1:$k --exl3-exact; done
 bench bf16
 echo "== batched exl3 mul1:3  (t=${SECONDS}s)"
 timeout 200 "$BIN" bench --device cuda --shape llama-3.1-8b --exl3 mul1:3 --batch 1,8,32 -p 512 -n 64 --json \

@@ -638,8 +638,7 @@ pub struct Options {
     /// chunk), for head dims the flash kernel does not take.
     pub attn_score_budget: usize,
     /// One-row steps of MUL1 EXL3 layers on the fast path (int8 activations, dp4a), as
-    /// exllamav3's default; off by default: it is not the exact path and is not yet checked
-    /// against the goldens.
+    /// exllamav3's default (on by default; false: the exact path, `--exl3-exact`).
     pub exl3_int8: bool,
 }
 
@@ -649,7 +648,7 @@ impl Default for Options {
             cluster: 8,
             cluster_ctx: 1024,
             attn_score_budget: 1 << 25,
-            exl3_int8: false,
+            exl3_int8: true,
         }
     }
 }
@@ -1368,8 +1367,9 @@ impl DenseModel {
         let mut pass: Vec<(usize, usize, usize)> = Vec::new();
         let mut n_tok = 0;
         for (i, s) in batch.seqs.iter().enumerate() {
+            // One position's logits are its last's.
             ensure!(
-                s.want != Want::All,
+                s.want != Want::All || s.len == 1,
                 "logits at every prompt position (--prompt-logprobs) are computed on the CPU only; drop --device cuda"
             );
             ensure!(
@@ -1462,7 +1462,7 @@ impl DenseModel {
                     table: table_base + 4 * off as u64,
                 });
             }
-            if from + n == s.len && s.want == Want::Last {
+            if from + n == s.len && s.want != Want::None {
                 rows.push((t0 + n - 1) as i32);
             }
         }

@@ -268,15 +268,20 @@ const HD128_ONE_KV: common::LlamaDims = common::LlamaDims {
 };
 
 fn check_batched(path: &std::path::Path, tol: f64, tie_gap: f32) {
-    use trellm::backend::cpu::CpuModel;
+    use trellm::backend::cpu::{CpuModel, Exl3Activations};
     use trellm::backend::SoloSequence;
     use trellm_model::{Batch, BlockPool, BlockTable, ModelBackend, Want};
     const BS: usize = 16;
     let name = path.display().to_string();
     {
-        let m = trellm::model::load::load(path).unwrap();
+        // Both backends on their exact EXL3 paths.
+        let mut m = trellm::model::load::load(path).unwrap();
+        std::sync::Arc::get_mut(&mut m.model)
+            .unwrap()
+            .exl3_activations = Exl3Activations::Exact;
         let cfg = m.model.cfg.clone();
-        let cpu = CpuModel::new(cfg.clone(), cuda::bf16_rounded(&m.model.weights).unwrap());
+        let mut cpu = CpuModel::new(cfg.clone(), cuda::bf16_rounded(&m.model.weights).unwrap());
+        cpu.exl3_activations = Exl3Activations::Exact;
         let gpu = cuda::CudaModel::new(&m.model, 96, 1).unwrap();
         let vocab = cfg.vocab as u32;
         let lens = [7usize, 33, 1, 20, 12];
@@ -449,9 +454,9 @@ fn multi_gpu_two_ranks_match_one_gpu() {
     }
 }
 
-/// The EXL3 fast path (MUL1 layers' one-row steps with int8 activations through dp4a) against the
-/// exact CPU path on the tiny MUL1 folders, beside the default GPU path (fp16 activations on
-/// tensor cores): mean and largest KL divergence of each step's distribution from the CPU's over
+/// The EXL3 fast path (MUL1 layers' one-row steps with int8 activations through dp4a, the
+/// default) against the exact CPU path on the tiny MUL1 folders, beside the GPU's exact path (fp16
+/// activations on tensor cores): mean and largest KL divergence of each step's distribution from the CPU's over
 /// a prefill and 24 decode steps fed the CPU's greedy ids, and how many greedy ids agree.
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --ignored on the GPU machine"]
@@ -480,7 +485,9 @@ fn exl3_int8_path_kl_against_the_exact_path() {
         .collect();
     assert!(!dirs.is_empty(), "no MUL1 folders");
     for dir in dirs {
-        let m = trellm::model::load::load(&dir).unwrap();
+        let mut m = trellm::model::load::load(&dir).unwrap();
+        Arc::get_mut(&mut m.model).unwrap().exl3_activations =
+            trellm::backend::cpu::Exl3Activations::Exact;
         let vocab = m.model.cfg.vocab;
         let prompt: Vec<u32> = (0..12u32).map(|i| (i * 37 + 11) % vocab as u32).collect();
         let steps = 24;
@@ -524,9 +531,9 @@ fn exl3_int8_path_kl_against_the_exact_path() {
             report.push(format!(
                 "{}: mean KL {mean:.2e}, max {max:.2e}, same greedy id {same}/{}",
                 if int8 {
-                    "int8 fast path"
+                    "int8 fast path (the default)"
                 } else {
-                    "default (fp16 tensor cores)"
+                    "exact path (fp16 tensor cores)"
                 },
                 want.len()
             ));

@@ -165,7 +165,7 @@ fn bad_texts_and_flags_fail_cleanly() {
         "--stride",
     );
     assert_clean_error(&["eval", "--file", &f, "--chunks", "0"], "--chunks");
-    assert_clean_error(&["eval", "--file", &f, "--device", "cuda"], "--device cpu");
+    assert_clean_error(&["eval", "--file", &f, "--device", "cuda"], "--ubatch 1");
     assert_clean_error(
         &["eval", "--model", "/nonexistent/m.gguf", "--file", &f],
         "no such file",

@@ -11,7 +11,7 @@ use trellm_cuda::Gpu;
 
 use trellm_model::{Batch, Logits, ModelBackend, Shard, Want};
 
-use super::cpu::CpuModel;
+use super::cpu::{CpuModel, Exl3Activations};
 use super::SoloSequence;
 use crate::engine::generate::PREFILL_STEP;
 use crate::model::config::ModelConfig;
@@ -27,7 +27,16 @@ pub fn upload(
     max_context: usize,
     max_prefill: usize,
 ) -> Result<DenseModel> {
-    upload_with(gpu, model, max_context, max_prefill, Default::default())
+    upload_with(gpu, model, max_context, max_prefill, dense_options(model))
+}
+
+/// The decoder's options for `model`: its EXL3 MUL1 layers' one-row steps on the int8 fast path
+/// unless the model asks for the exact path (`--exl3-exact`, as on the CPU).
+pub fn dense_options(model: &CpuModel) -> trellm_cuda::dense::Options {
+    trellm_cuda::dense::Options {
+        exl3_int8: model.exl3_activations != Exl3Activations::Exact,
+        ..Default::default()
+    }
 }
 
 /// [`upload`] with the decoder's options.
@@ -92,18 +101,28 @@ impl CudaModel {
             let w = shard.weights(&model.cfg, &model.weights)?;
             let dw = DenseWeights::upload(gpu, &cfg, &w)?;
             let plan = trellm_model::Plan::new(&cfg);
-            ranks.push(DenseModel::new(gpu.clone(), &cfg, &plan, dw, cap, prefill)?);
+            ranks.push(DenseModel::with_options(
+                gpu.clone(),
+                &cfg,
+                &plan,
+                dw,
+                cap,
+                prefill,
+                dense_options(model),
+            )?);
         }
         Self::join(model.cfg.clone(), &gpus, ranks)
     }
 
     /// Seeded synthetic weights of a named shape (`bench --shape`), generated on the device;
-    /// EXL3 layers of a codebook and rates with `exl3`; split over `tensor_parallel` GPUs (each
-    /// rank's shard seeded on its own: a timing model, not one whose ranks sum to a whole).
+    /// EXL3 layers of a codebook and rates with `exl3` (their one-row steps on the exact path
+    /// with `exl3_exact`); split over `tensor_parallel` GPUs (each rank's shard seeded on its
+    /// own: a timing model, not one whose ranks sum to a whole).
     pub fn synthetic(
         shape: &str,
         capacity: usize,
         exl3: Option<trellm_quant::exl3::Exl3Rates>,
+        exl3_exact: bool,
         tensor_parallel: usize,
     ) -> Result<CudaModel> {
         if !available() {
@@ -119,7 +138,19 @@ impl CudaModel {
             let w = DenseWeights::synthetic_with(gpu, &rcfg, 1 + rank as u64, exl3)?;
             let plan = trellm_model::Plan::new(&rcfg);
             let prefill = PREFILL_STEP.min(cap.max(MAX_SEQS));
-            ranks.push(DenseModel::new(gpu.clone(), &rcfg, &plan, w, cap, prefill)?);
+            let opts = trellm_cuda::dense::Options {
+                exl3_int8: !exl3_exact,
+                ..Default::default()
+            };
+            ranks.push(DenseModel::with_options(
+                gpu.clone(),
+                &rcfg,
+                &plan,
+                w,
+                cap,
+                prefill,
+                opts,
+            )?);
         }
         Self::join(cfg, &gpus, ranks)
     }
@@ -326,7 +357,11 @@ fn top2_gap(x: &[f32]) -> f32 {
 pub fn check_against_cpu(model_path: &Path, steps: usize) -> Result<CheckReport> {
     let loaded = crate::model::load::load(model_path)?;
     let src = &*loaded.model;
-    let model = &CpuModel::new(src.cfg.clone(), bf16_rounded(&src.weights)?);
+    // Both backends on their exact paths.
+    let model = &CpuModel {
+        exl3_activations: Exl3Activations::Exact,
+        ..CpuModel::new(src.cfg.clone(), bf16_rounded(&src.weights)?)
+    };
     let cfg = &model.cfg;
     let prompt: Vec<u32> = (0..11u32)
         .map(|i| (i * 37 + 3) % cfg.vocab as u32)

@@ -54,10 +54,6 @@ pub struct BenchArgs {
     /// converts it.
     #[arg(long, value_name = "CODEBOOK:BITS[,PROJ=BITS...]", value_parser = Exl3Rates::parse)]
     pub exl3: Option<Exl3Rates>,
-    /// cuda, with `--shape --exl3 mul1:K`: decode's one-row steps on the fast path (int8
-    /// activations through dp4a, as exllamav3's default; not the exact path).
-    #[arg(long)]
-    pub exl3_int8: bool,
     /// cuda, with `--model` or `--shape --batch`: split the model over GPUs 0..N (tensor
     /// parallelism, NCCL).
     #[arg(long, default_value_t = 1, value_parser = clap::builder::TypedValueParser::map(clap::value_parser!(u16).range(1..=64), usize::from))]
@@ -89,12 +85,6 @@ fn check_sizes(a: &BenchArgs) -> Result<()> {
     check_count("--context", a.context, MAX_BENCH_TOKENS)?;
     if a.exl3.is_some() && (a.device != Device::Cuda || a.shape.is_none()) {
         bail!("--exl3 makes synthetic weights: it needs --device cuda --shape NAME");
-    }
-    if a.exl3_int8
-        && (a.exl3.map(|e| e.codebook) != Some(trellm_quant::exl3::Codebook::Mul1)
-            || a.batch.is_some())
-    {
-        bail!("--exl3-int8 is MUL1's fast path: it needs --exl3 mul1:K (without --batch)");
     }
     if a.tensor_parallel > 1
         && (a.device != Device::Cuda || a.check || (a.shape.is_some() && a.batch.is_none()))

@@ -17,8 +17,13 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         bail!("--device cuda: {}", cuda::unavailable_reason());
     }
     if let (Some(sizes), Some(shape)) = (&a.batch, &a.shape) {
-        let model =
-            cuda::CudaModel::synthetic(shape, a.n_prompt + a.n_gen, a.exl3, a.tensor_parallel)?;
+        let model = cuda::CudaModel::synthetic(
+            shape,
+            a.n_prompt + a.n_gen,
+            a.exl3,
+            a.model.exl3_exact,
+            a.tensor_parallel,
+        )?;
         super::bench::batched_on(a, &model, &format!("--shape {shape}"), sizes)?;
         if a.tensor_parallel > 1 {
             return Ok(());
@@ -60,7 +65,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         repetitions: a.repetitions,
         seed: 1,
         exl3: a.exl3,
-        exl3_int8: a.exl3_int8,
+        exl3_int8: !a.model.exl3_exact,
     };
     let r = trellm_cuda::bench::run(shape, &o)?;
     let copy = r.copy_bytes_per_s;
@@ -68,7 +73,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         "device": r.device,
         "shape": r.shape,
         "weights": a.exl3.map_or("bf16".to_string(), |e| format!("{} (head {})", e.describe(), trellm_cuda::dense::SYNTHETIC_HEAD_BITS)),
-        "exl3_int8": a.exl3_int8,
+        "exl3_int8": o.exl3_int8 && a.exl3.is_some_and(|e| e.codebook == trellm_quant::exl3::Codebook::Mul1),
         "copy_tb_s": copy / 1e12,
         "gemm_bf16_tflop_s": r.gemm_flops_bf16_out / 1e12,
         "gemm_bf16_f32out_tflop_s": r.gemm_flops_f32_out / 1e12,

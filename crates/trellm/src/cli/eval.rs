@@ -72,10 +72,10 @@ fn check_flags(a: &EvalArgs) -> Result<()> {
     if a.chunks == Some(0) {
         bail!("--chunks must be at least 1");
     }
-    if a.device.device == Device::Cuda {
+    if a.device.device == Device::Cuda && a.ubatch != Some(1) {
         bail!(
-            "eval needs logits at every scored position, which the CUDA backend does not return \
-             yet; run it with --device cpu"
+            "eval on --device cuda needs --ubatch 1 (the CUDA backend returns the logits of one \
+             position a sequence a step)"
         );
     }
     if a.device.tensor_parallel > 1 {
@@ -191,7 +191,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
     let mut kl = KlStats::default();
     let t0 = Instant::now();
     let ubatch = a.ubatch.map_or(ctx, |u| (u as usize).min(ctx));
-    run_chunks(&*m.model, &tokens, &chunking, ubatch, |c| {
+    let each = |c: crate::eval::ChunkLogits<'_>| -> Result<()> {
         if let Some(w) = writer.as_mut() {
             w.chunk(c.logits)?;
         }
@@ -231,7 +231,14 @@ pub fn run(a: EvalArgs) -> Result<()> {
             );
         }
         Ok(())
-    })?;
+    };
+    match a.device.device {
+        Device::Cpu => run_chunks(&*m.model, &tokens, &chunking, ubatch, each)?,
+        Device::Cuda => {
+            let gpu = crate::backend::cuda::CudaModel::new(&m.model, ctx, 1)?;
+            run_chunks(&gpu, &tokens, &chunking, ubatch, each)?
+        }
+    }
     pb.finish_and_clear();
     let secs = t0.elapsed().as_secs_f64();
     if let Some(w) = writer {
