@@ -13,7 +13,7 @@
 //!
 //! Their one rounding beyond the exact path is the activations' to fp16, as exllamav3 computes
 //! throughout. [`Regime::Int8`] is the fast path for MUL1's one-row steps (int8 activations,
-//! dp4a), off unless asked for. The exact path ([`Regime::Gemv`]: f32 activations, one row a launch) is the twin
+//! dp4a), the decoder's default as exllamav3's (`dense::Options::exl3_int8`). The exact path ([`Regime::Gemv`]: f32 activations, one row a launch) is the twin
 //! they are tested against; its CPU twin is `trellm_quant::exl3::matmul::matmul_tiles`.
 //!
 //! Layers that share their input run as one launch in the tensor-core and int8 regimes
@@ -137,8 +137,8 @@ pub enum Regime {
     Gemm,
     /// The fast path (MUL1 only), one row a launch (`exl3_q8`, both Hadamards inside): int8
     /// activations with a scale per 128-block, each weight's decode and product one dp4a; not
-    /// exact (the weights' fp16 rounding is skipped, the activations keep about 7 bits), so only
-    /// where asked for (`dense::Options::exl3_int8`).
+    /// exact (the weights' fp16 rounding is skipped, the activations keep about 7 bits): where
+    /// `dense::Options::exl3_int8` (the default; `--exl3-exact` turns it off).
     Int8,
 }
 
