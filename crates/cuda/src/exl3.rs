@@ -416,15 +416,18 @@ const BLOCK_COST_TILES: usize = 8;
 /// (12.5 us against 13.5 at the 16 of the rule before), o 16 (9.8), gate/up 4 (40.2), down 16 (21.9
 /// against 24.1 at 23). More rows: [`MMA_BLOCKS_PER_SM`].
 pub fn mma_split(shape: &Exl3Shape, sm_count: usize, m: usize) -> (usize, usize) {
-    split_within(shape, sm_count, m, mma_per_max(m))
+    mma_split_capped(shape, sm_count, m, mma_per_max(m))
 }
 
 /// [`mma_split`] with at most `per_max` tile rows a split.
-fn split_within(shape: &Exl3Shape, sm_count: usize, m: usize, per_max: usize) -> (usize, usize) {
+fn mma_split_capped(
+    shape: &Exl3Shape,
+    sm_count: usize,
+    m: usize,
+    per_max: usize,
+) -> (usize, usize) {
     if m > MMA8_ROWS {
-        let (_, per) = mma_split_for(shape, sm_count, m, MMA_BLOCKS_PER_SM);
-        let per = per.min(per_max);
-        return (shape.tiles_k().max(8).div_ceil(per), per);
+        return mma_split_for_capped(shape, sm_count, m, MMA_BLOCKS_PER_SM, per_max);
     }
     let tiles_k = shape.tiles_k().max(8);
     let bands = (shape.n / 128).max(1);
@@ -465,15 +468,23 @@ pub fn mma_split_for(
     m: usize,
     per_sm: usize,
 ) -> (usize, usize) {
+    mma_split_for_capped(shape, sm_count, m, per_sm, mma_per_max(m))
+}
+
+/// [`mma_split_for`] with at most `per_max` tile rows a split.
+fn mma_split_for_capped(
+    shape: &Exl3Shape,
+    sm_count: usize,
+    m: usize,
+    per_sm: usize,
+    per_max: usize,
+) -> (usize, usize) {
     let mt = m.div_ceil(16).next_power_of_two();
     let tiles_k = shape.tiles_k().max(8);
     let bands = (shape.n / 128).max(1);
     let want = (sm_count * mma_blocks_per_sm(mt, per_sm)).div_ceil(bands);
     let splits = want.clamp(1, (tiles_k / 8).max(1));
-    let per = tiles_k
-        .div_ceil(splits)
-        .next_multiple_of(8)
-        .min(mma_per_max(m));
+    let per = tiles_k.div_ceil(splits).next_multiple_of(8).min(per_max);
     (tiles_k.div_ceil(per), per)
 }
 
@@ -1226,12 +1237,8 @@ fn launch_rows(
     let shape = parts_shape(parts);
     let n = shape.n;
     let (splits, per) = match s.mma_per_sm {
-        Some(per_sm) => {
-            let (_, per) = mma_split_for(&shape, gpu.sm_count, m, per_sm);
-            let per = per.min(per_max);
-            (shape.tiles_k().max(8).div_ceil(per), per)
-        }
-        None => split_within(&shape, gpu.sm_count, m, per_max),
+        Some(per_sm) => mma_split_for_capped(&shape, gpu.sm_count, m, per_sm, per_max),
+        None => mma_split_capped(&shape, gpu.sm_count, m, per_max),
     };
     ensure!(
         s.partial.len() >= splits * m * n && s.counters.len() >= n / 128 && per <= per_max,

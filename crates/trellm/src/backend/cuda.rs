@@ -33,8 +33,13 @@ pub fn upload(
 /// The decoder's options for `model`: its EXL3 MUL1 layers' one-row steps on the int8 fast path
 /// unless the model asks for the exact path (`--exl3-exact`, as on the CPU).
 pub fn dense_options(model: &CpuModel) -> trellm_cuda::dense::Options {
+    exl3_options(model.exl3_activations == Exl3Activations::Exact)
+}
+
+/// The decoder's default options, the EXL3 one-row steps exact where asked for.
+fn exl3_options(exl3_exact: bool) -> trellm_cuda::dense::Options {
     trellm_cuda::dense::Options {
-        exl3_int8: model.exl3_activations != Exl3Activations::Exact,
+        exl3_int8: !exl3_exact,
         ..Default::default()
     }
 }
@@ -138,10 +143,6 @@ impl CudaModel {
             let w = DenseWeights::synthetic_with(gpu, &rcfg, 1 + rank as u64, exl3)?;
             let plan = trellm_model::Plan::new(&rcfg);
             let prefill = PREFILL_STEP.min(cap.max(MAX_SEQS));
-            let opts = trellm_cuda::dense::Options {
-                exl3_int8: !exl3_exact,
-                ..Default::default()
-            };
             ranks.push(DenseModel::with_options(
                 gpu.clone(),
                 &rcfg,
@@ -149,7 +150,7 @@ impl CudaModel {
                 w,
                 cap,
                 prefill,
-                opts,
+                exl3_options(exl3_exact),
             )?);
         }
         Self::join(cfg, &gpus, ranks)
