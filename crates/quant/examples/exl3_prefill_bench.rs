@@ -9,7 +9,9 @@
 
 use std::time::Instant;
 
-use trellm_quant::exl3::matmul::{matmul_gemm, matmul_tiles, Activations::Exact};
+use trellm_quant::exl3::matmul::{
+    matmul_gemm, matmul_gemm_int16, matmul_tiles, Activations::Exact, Layer,
+};
 use trellm_quant::exl3::{Bitrate, Codebook, Exl3Shape};
 
 fn main() {
@@ -58,16 +60,22 @@ fn main() {
         let x: Vec<f32> = (0..rows * k).map(|_| f()).collect();
         let mut y = vec![0.0f32; rows * n];
         // best[pool][path]
-        let mut best = [[f64::MAX; 2]; 2];
+        let mut best = [[f64::MAX; 3]; 2];
         for _ in 0..reps {
             for (pi, pool) in pools.iter().enumerate() {
                 for (path, b) in best[pi].iter_mut().enumerate() {
                     let t = Instant::now();
-                    pool.install(|| {
-                        if path == 0 {
-                            matmul_tiles(&shape, &trellis, &suh, &svh, &x, rows, &mut y, Exact)
-                        } else {
-                            matmul_gemm(&shape, &trellis, &suh, &svh, &x, rows, &mut y)
+                    pool.install(|| match path {
+                        0 => matmul_tiles(&shape, &trellis, &suh, &svh, &x, rows, &mut y, Exact),
+                        1 => matmul_gemm(&shape, &trellis, &suh, &svh, &x, rows, &mut y),
+                        _ => {
+                            let l = Layer {
+                                shape: &shape,
+                                trellis: &trellis,
+                                suh: &suh,
+                                svh: &svh,
+                            };
+                            matmul_gemm_int16(l, &x, rows, &mut y)
                         }
                     });
                     *b = b.min(t.elapsed().as_secs_f64());
@@ -77,13 +85,15 @@ fn main() {
         for (pi, b) in best.iter().enumerate() {
             let gflop = 2.0 * (rows * k * n) as f64 / 1e9;
             println!(
-                "rows {rows:4}, {} thread(s): tiles {:.4} s ({:.1} GFLOP/s), gemm {:.4} s ({:.1} GFLOP/s), speed-up {:.2}x",
+                "rows {rows:4}, {} thread(s): tiles {:.4} s ({:.1} GFLOP/s), gemm {:.4} s ({:.1} GFLOP/s), int16 gemm {:.4} s ({:.1} GFLOP/s), gemm / int16 {:.2}x",
                 pi + 1,
                 b[0],
                 gflop / b[0],
                 b[1],
                 gflop / b[1],
-                b[0] / b[1]
+                b[2],
+                gflop / b[2],
+                b[1] / b[2]
             );
         }
     }

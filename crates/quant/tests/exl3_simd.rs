@@ -266,6 +266,58 @@ fn int16_path_is_close() {
     }
 }
 
+/// The int16 GEMM (decoded bands, then the integer kernel) against its scalar twin, bit for bit:
+/// every MUL1 bitrate, 1-7, 13, 48 and 49 activation rows (every row remainder of the kernel's 6,
+/// a task's 48 and one more), row ranges starting off 0, three 128-input blocks, every band of a
+/// two-pass panel; activations of three magnitudes with zero, NaN and infinite ones among them.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn int16_gemm_matches_its_scalar_twin() {
+    use trellm_quant::exl3::simd::{int16_band_scalar, int16_gemm_available, GemmRows, Panel};
+    if !int16_gemm_available() {
+        eprintln!("skipped: this CPU lacks AVX-512 VNNI + VBMI2 (the int16 GEMM is not used here)");
+        return;
+    }
+    let mut rng = Rng(0xD1B5_4A32_D192_ED03);
+    for rate in rates(Codebook::Mul1) {
+        let shape = Exl3Shape::from_trellis(&[24, 24, rate.tile_words()], Codebook::Mul1).unwrap();
+        let trellis = rng.bytes(shape.trellis_bytes());
+        let k = shape.k;
+        for m in [1usize, 2, 3, 4, 5, 6, 7, 13, 48, 49] {
+            let mut x: Vec<f32> = (0..m * k)
+                .map(|i| {
+                    let v = (rng.next() % 2001) as f32 / 1000.0 - 1.0;
+                    v * [1e-3, 1.0, 300.0][i / 128 % 3]
+                })
+                .collect();
+            x[5] = 0.0;
+            x[130] = f32::NAN;
+            if m > 1 {
+                // (A row with an infinite input is NaN and infinities throughout.)
+                x[(m - 1) * k + 300] = f32::INFINITY;
+            }
+            let q = GemmRows::new(&x, m, k);
+            for (b0, bands) in [(0, 2), (2, 1)] {
+                let panel = Panel::new(&shape, &trellis, b0, bands);
+                for (r0, r1) in [(0, m), (m / 2, m)] {
+                    for bi in 0..bands {
+                        let n = (r1 - r0) * 128;
+                        let (mut a, mut b) = (vec![f32::NAN; n], vec![f32::NAN; n]);
+                        panel.band(&q, r0, r1, bi, &mut a);
+                        int16_band_scalar(&shape, &trellis, &q, r0, r1, b0 + bi, &mut b);
+                        assert!(
+                            a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()),
+                            "K={} m={m} rows {r0}..{r1} band {}: the GEMM differs from its twin",
+                            rate.bits(),
+                            b0 + bi
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// The prefill's tile decode with the 16-point butterfly down its rows equals the scalar codec's
 /// tile and a plain butterfly, bit for bit, for every codebook and bitrate, at a row stride.
 #[test]

@@ -2,11 +2,13 @@
 //! then a GEMM) against the tile-kernel path, its exact twin, on random layers: every codebook,
 //! several K, 17/64/100 activation rows, layers of more output bands than one GEMM pass takes,
 //! and layers padded to 128s (fewer inputs and outputs than stored), within f32 rounding of
-//! `sum |x w|`. Also the rows where `exl3_linear` switches from one to the other.
+//! `sum |x w|`. Also the rows where `exl3_linear` switches from one to the other, and the int16
+//! GEMM (the default many-row path on MUL1 layers) against the same exact twin.
 
 use trellm_quant::exl3::matmul::{
-    linear as exl3_linear, matmul_gemm as exl3_matmul_gemm, matmul_tiles as exl3_matmul_tiles,
-    Activations::Exact, GEMM_MIN_ROWS as EXL3_GEMM_MIN_ROWS,
+    linear as exl3_linear, matmul_gemm as exl3_matmul_gemm, matmul_many as exl3_matmul_many,
+    matmul_tiles as exl3_matmul_tiles, Activations::Exact, Activations::Int16,
+    GEMM_MIN_ROWS as EXL3_GEMM_MIN_ROWS,
 };
 use trellm_quant::exl3::{self, Bitrate, Codebook, Exl3Shape};
 
@@ -28,11 +30,31 @@ impl Rng {
     }
 }
 
+/// `f` on a pool of `n` threads.
+fn on_threads(n: usize, f: impl FnOnce() + Send) {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(n)
+        .build()
+        .unwrap()
+        .install(f)
+}
+
 struct Layer {
     shape: Exl3Shape,
     trellis: Vec<u8>,
     suh: Vec<f32>,
     svh: Vec<f32>,
+}
+
+impl Layer {
+    fn parts(&self) -> exl3::matmul::Layer<'_> {
+        exl3::matmul::Layer {
+            shape: &self.shape,
+            trellis: &self.trellis,
+            suh: &self.suh,
+            svh: &self.svh,
+        }
+    }
 }
 
 fn layer(rng: &mut Rng, k: usize, n: usize, rate: Bitrate, cb: Codebook) -> Layer {
@@ -103,11 +125,7 @@ fn check(l: &Layer, rng: &mut Rng, rows: usize, what: &str) {
 #[test]
 fn gemm_path_matches_tile_path() {
     // Four threads: more than some layers have bands.
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(4)
-        .build()
-        .unwrap();
-    pool.install(|| {
+    on_threads(4, || {
         let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
         let cases = [
             (Codebook::Inst3, Bitrate::int(2), 256, 384),
@@ -159,6 +177,27 @@ fn linear_switches_paths_at_the_threshold() {
     }
 }
 
+/// `rows` random input rows of `cols` values for a layer padded to `k` inputs, the same rows
+/// zero-extended to `k`, and the exact tile path's outputs for those (all `n` of them).
+fn padded_case(
+    l: &Layer,
+    rng: &mut Rng,
+    rows: usize,
+    cols: usize,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let (k, n) = (l.shape.k, l.shape.n);
+    let x: Vec<f32> = (0..rows * cols).map(|_| rng.f32()).collect();
+    let mut xp = vec![0.0f32; rows * k];
+    for (d, s) in xp.chunks_mut(k).zip(x.chunks(cols)) {
+        d[..cols].copy_from_slice(s);
+    }
+    let mut full = vec![f32::NAN; rows * n];
+    exl3_matmul_tiles(
+        &l.shape, &l.trellis, &l.suh, &l.svh, &xp, rows, &mut full, Exact,
+    );
+    (x, xp, full)
+}
+
 /// A layer stored padded to 128s (exllamav3's layout for dims that are not multiples of 128):
 /// the GEMM path takes the model's `cols` inputs and gives its `rows` outputs directly, equal
 /// (within rounding) to the tile path on the zero-extended inputs, its outputs cut.
@@ -172,15 +211,7 @@ fn gemm_path_takes_padded_dims() {
     ] {
         let l = layer(&mut rng, k, n, Bitrate::int(3), Codebook::Mul1);
         let rows = 40;
-        let x: Vec<f32> = (0..rows * cols).map(|_| rng.f32()).collect();
-        let mut xp = vec![0.0f32; rows * k];
-        for (d, s) in xp.chunks_mut(k).zip(x.chunks(cols)) {
-            d[..cols].copy_from_slice(s);
-        }
-        let mut full = vec![f32::NAN; rows * n];
-        exl3_matmul_tiles(
-            &l.shape, &l.trellis, &l.suh, &l.svh, &xp, rows, &mut full, Exact,
-        );
+        let (x, xp, full) = padded_case(&l, &mut rng, rows, cols);
         let mut got = vec![f32::NAN; rows * rows_out];
         exl3_matmul_gemm(&l.shape, &l.trellis, &l.suh, &l.svh, &x, rows, &mut got);
         let s = scales(&l, &xp, rows);
@@ -194,4 +225,67 @@ fn gemm_path_takes_padded_dims() {
             }
         }
     }
+}
+
+/// The int16 GEMM (`matmul_many` with `Int16` on a MUL1 layer, where the CPU has AVX-512 VNNI)
+/// against the exact tile path: each output within `1e-3 sum |x w|` (the weights' fp16 rounding
+/// it skips is at most 2^-11 of each product; the activations' int16 rounding 2^-16 of each 128's
+/// largest), and within 1e-3 RMS over all; every K of MUL1 it is used for, rows around the
+/// kernel's and a task's sizes, padded dims, more bands than a pass takes. On other codebooks
+/// `matmul_many` is the exact GEMM, bit for bit.
+#[test]
+fn int16_gemm_is_close_to_the_exact_path() {
+    if !trellm_quant::exl3::simd::int16_gemm_available() {
+        eprintln!("skipped: this CPU lacks AVX-512 VNNI + VBMI2 (the int16 GEMM is not used here)");
+        return;
+    }
+    on_threads(3, || {
+        let mut rng = Rng(0x6A09_E667_F3BC_C908);
+        let cases = [
+            (Bitrate::int(1), 256, 128, 256, 128),
+            (Bitrate::int(2), 640, 1280, 576, 1152),
+            (Bitrate::half(2), 384, 256, 384, 256),
+            (Bitrate::int(3), 128, 1280, 128, 1280),
+            (Bitrate::int(4), 256, 384, 200, 300),
+            (Bitrate::int(6), 256, 2304, 256, 2304),
+        ];
+        for (rate, k, n, cols, rows_out) in cases {
+            let l = layer(&mut rng, k, n, rate, Codebook::Mul1);
+            for rows in [17, 49, 100] {
+                let (x, xp, full) = padded_case(&l, &mut rng, rows, cols);
+                let mut got = vec![f32::NAN; rows * rows_out];
+                exl3_matmul_many(l.parts(), &x, rows, &mut got, Int16);
+                let s = scales(&l, &xp, rows);
+                let (mut e2, mut y2) = (0.0f64, 0.0f64);
+                for t in 0..rows {
+                    for c in 0..rows_out {
+                        let (g, w) = (got[t * rows_out + c], full[t * n + c]);
+                        assert!(
+                            (g - w).abs() <= 1e-3 * s[t * n + c],
+                            "K={} {k}x{n} as {cols}x{rows_out}, {rows} rows: row {t} output {c}: {g} against {w}",
+                            rate.bits()
+                        );
+                        e2 += ((g - w) as f64).powi(2);
+                        y2 += (w as f64).powi(2);
+                    }
+                }
+                let rel = (e2 / y2).sqrt();
+                eprintln!(
+                    "K={} {k}x{n}, {rows} rows: relative RMS {rel:.2e}",
+                    rate.bits()
+                );
+                assert!(rel < 1e-3, "K={} {k}x{n}: relative RMS {rel}", rate.bits());
+            }
+        }
+        let l = layer(&mut rng, 256, 256, Bitrate::int(3), Codebook::Mcg);
+        let x: Vec<f32> = (0..40 * 256).map(|_| rng.f32()).collect();
+        let (mut a, mut b) = (vec![f32::NAN; 40 * 256], vec![f32::NAN; 40 * 256]);
+        exl3_matmul_many(l.parts(), &x, 40, &mut a, Int16);
+        exl3_matmul_gemm(&l.shape, &l.trellis, &l.suh, &l.svh, &x, 40, &mut b);
+        assert_eq!(
+            a.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            b.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            "MCG: matmul_many is the exact GEMM"
+        );
+    });
 }

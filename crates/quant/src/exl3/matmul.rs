@@ -1,8 +1,9 @@
 //! The EXL3 matmul over whole layers. Few rows: the input Hadamard once per row, the tile
 //! kernels per 128-output band (each tile decoded once per 16 rows, on f32 or int16
-//! activations), then the output Hadamard and scales per band. Many rows: the Hadamards and
-//! scales folded into the exactly decoded weights, then one GEMM per 512 outputs. Both run on
-//! the caller's rayon pool.
+//! activations), then the output Hadamard and scales per band. Many rows, exactly: the Hadamards
+//! and scales folded into the exactly decoded weights, then one f32 GEMM per 512 outputs; on
+//! int16 activations (MUL1, AVX-512 VNNI): the weights decoded once to their byte sums and an
+//! integer GEMM between the Hadamards. All run on the caller's rayon pool.
 
 use rayon::prelude::*;
 
@@ -45,9 +46,10 @@ pub enum Activations {
     /// The f32 activations and each weight's exact fp16 codebook value, f32 sums.
     #[default]
     Exact,
-    /// On MUL1 layers where the CPU has AVX2 or AVX-512: the activations as int16 per
-    /// 16 inputs and MUL1's values before their fp16 rounding, integer sums per tile
-    /// ([`simd::matmul_inner_int16`]); elsewhere [`Activations::Exact`].
+    /// On MUL1 layers where the CPU has AVX2 or AVX-512: the activations as int16 and MUL1's
+    /// values before their fp16 rounding, integer sums: per 16 inputs in the tile kernels
+    /// ([`simd::matmul_inner_int16`]), per 128 in the many-row GEMM ([`matmul_gemm_int16`],
+    /// AVX-512 VNNI only); elsewhere [`Activations::Exact`].
     Int16,
 }
 
@@ -59,7 +61,7 @@ enum Inputs {
 
 impl Inputs {
     fn new(shape: &Exl3Shape, suh: &[f32], x: &[f32], n: usize, acts: Activations) -> Inputs {
-        let xh = rotate_inputs(shape.k, suh, x);
+        let xh = rotate_inputs(shape.k, suh, x, n);
         if acts == Activations::Int16 && shape.codebook == Codebook::Mul1 && simd::int16_available()
         {
             Inputs::Int16(simd::Int16Rows::new(&xh, n, shape.k))
@@ -85,9 +87,19 @@ impl Inputs {
     }
 }
 
-/// `H(x * suh)` for each of the `rows` activation rows.
-fn rotate_inputs(k: usize, suh: &[f32], x: &[f32]) -> Vec<f32> {
-    let mut xh = x.to_vec();
+/// `H(x * suh)` for each of the `n` activation rows of `x`, rows of `k` or fewer inputs (then
+/// zero-extended to `k`, as exllamav3 pads the layer).
+fn rotate_inputs(k: usize, suh: &[f32], x: &[f32], n: usize) -> Vec<f32> {
+    let cols = x.len() / n;
+    let mut xh = if cols == k {
+        x.to_vec()
+    } else {
+        let mut xp = vec![0.0f32; n * k];
+        for (d, s) in xp.chunks_mut(k).zip(x.chunks(cols)) {
+            d[..cols].copy_from_slice(s);
+        }
+        xp
+    };
     xh.par_chunks_mut(k).for_each(|r| {
         r.iter_mut().zip(suh).for_each(|(v, s)| *v *= s);
         hadamard128(r);
@@ -329,6 +341,22 @@ impl SendPtr {
     }
 }
 
+/// The inputs and outputs a row of `x` and `y` holds (`n` rows each) on a many-row path, which
+/// takes whole rows of at most the layer's padded dims; panics on anything else.
+fn many_dims(l: Layer<'_>, x: &[f32], n: usize, y: &[f32]) -> (usize, usize) {
+    let shape = l.shape;
+    assert!(n > 0, "no rows");
+    let (cols, rows) = (x.len() / n, y.len() / n);
+    assert!(
+        x.len() == n * cols && y.len() == n * rows && cols <= shape.k && rows <= shape.n,
+        "x, y: whole rows of at most the layer's (padded) dims"
+    );
+    assert_eq!(l.suh.len(), shape.k);
+    assert_eq!(l.svh.len(), shape.n);
+    assert_eq!(l.trellis.len(), shape.trellis_bytes());
+    (cols, rows)
+}
+
 /// The prefill path: the Hadamards and scales folded into the weights, `W_eff = diag(suh) H
 /// W_inner H diag(svh)`, built in f32 from the exact decoded values for up to [`GEMM_BANDS`]
 /// output bands at a time, then `x · W_eff` by the `gemm` crate straight from `x` into `y`. `x`
@@ -346,15 +374,13 @@ pub fn matmul_gemm(
 ) {
     const BAND: usize = BAND_OUT;
     let (k, out) = (shape.k, shape.n);
-    assert!(n > 0, "no rows");
-    let (cols, rows) = (x.len() / n, y.len() / n);
-    assert!(
-        x.len() == n * cols && y.len() == n * rows && cols <= k && rows <= out,
-        "x, y: whole rows of at most the layer's (padded) dims"
-    );
-    assert_eq!(suh.len(), k);
-    assert_eq!(svh.len(), out);
-    assert_eq!(trellis.len(), shape.trellis_bytes());
+    let l = Layer {
+        shape,
+        trellis,
+        suh,
+        svh,
+    };
+    let (cols, rows) = many_dims(l, x, n, y);
     let threads = rayon::current_num_threads();
     let par = if threads > 1 {
         gemm::Parallelism::Rayon(threads)
@@ -401,5 +427,69 @@ pub fn matmul_gemm(
                 par,
             );
         }
+    }
+}
+
+/// Bands a [`matmul_gemm_int16`] pass decodes and multiplies at once (1024 outputs: 1.3 MB of
+/// int16 at SmolLM2's k = 640, 8 MB at an 8B model's 4096).
+const INT16_BANDS: usize = 8;
+/// Activation rows a [`matmul_gemm_int16`] task multiplies by one band.
+const INT16_TASK_ROWS: usize = 48;
+
+/// The many-row path on int16 activations (MUL1 layers, CPUs with AVX-512 VNNI + VBMI2,
+/// [`simd::int16_gemm_available`]): the inputs rotated and quantized to int16 per 128 once, each
+/// band's weights decoded once into their byte sums ([`simd::Panel`]), then a task per (48 rows,
+/// band): the integer GEMM, `A` and the bias, the output Hadamard and `svh`. Takes `x` and `y` as
+/// [`matmul_gemm`] does. What it leaves out against [`matmul_gemm`]: the activations' int16
+/// rounding (2^-16 of each 128's largest) and the weights' fp16 rounding.
+pub fn matmul_gemm_int16(l: Layer<'_>, x: &[f32], n: usize, y: &mut [f32]) {
+    const BAND: usize = BAND_OUT;
+    let (_, rows) = many_dims(l, x, n, y);
+    let (shape, k) = (l.shape, l.shape.k);
+    let xh = rotate_inputs(k, l.suh, x, n);
+    let q = simd::GemmRows::new(&xh, n, k);
+    drop(xh);
+    let row_blocks = n.div_ceil(INT16_TASK_ROWS);
+    let yp = SendPtr(y.as_mut_ptr());
+    for b0 in (0..rows.div_ceil(BAND)).step_by(INT16_BANDS) {
+        let bands = INT16_BANDS.min(rows.div_ceil(BAND) - b0);
+        let panel = simd::Panel::new(shape, l.trellis, b0, bands);
+        // Consecutive tasks share a band, so a thread's run of them reuses its lines in L2.
+        (0..bands * row_blocks).into_par_iter().for_each_init(
+            || vec![0.0f32; INT16_TASK_ROWS * BAND],
+            |buf, task| {
+                let (bi, rb) = (task / row_blocks, task % row_blocks);
+                let (r0, r1) = (rb * INT16_TASK_ROWS, ((rb + 1) * INT16_TASK_ROWS).min(n));
+                let c0 = (b0 + bi) * BAND;
+                let width = (rows - c0).min(BAND);
+                let buf = &mut buf[..(r1 - r0) * BAND];
+                panel.band(&q, r0, r1, bi, buf);
+                for (i, r) in buf.chunks_mut(BAND).enumerate() {
+                    rotate_outputs(r, &l.svh[c0..c0 + BAND]);
+                    // SAFETY: row r0 + i, columns c0 .. c0 + width of `y` (row stride `rows`),
+                    // which only this task writes.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            r.as_ptr(),
+                            yp.get().add((r0 + i) * rows + c0),
+                            width,
+                        )
+                    };
+                }
+            },
+        );
+    }
+}
+
+/// The many-row path for `acts`: [`matmul_gemm_int16`] where [`Activations::Int16`] can take it
+/// (a MUL1 layer, a CPU with [`simd::int16_gemm_available`]), else [`matmul_gemm`].
+pub fn matmul_many(l: Layer<'_>, x: &[f32], n: usize, y: &mut [f32], acts: Activations) {
+    if acts == Activations::Int16
+        && l.shape.codebook == Codebook::Mul1
+        && simd::int16_gemm_available()
+    {
+        matmul_gemm_int16(l, x, n, y)
+    } else {
+        matmul_gemm(l.shape, l.trellis, l.suh, l.svh, x, n, y)
     }
 }

@@ -27,10 +27,24 @@ mod avx512;
 #[cfg(target_arch = "x86_64")]
 mod int16;
 #[cfg(target_arch = "x86_64")]
+mod int16_gemm;
+#[cfg(target_arch = "x86_64")]
 pub use int16::{
     int16_available, int16_levels, matmul_inner_int16, matmul_inner_int16_scalar,
     matmul_inner_int16_with, Int16Rows,
 };
+#[cfg(target_arch = "x86_64")]
+pub use int16_gemm::{band_scalar as int16_band_scalar, GemmRows, Panel, KC};
+
+/// Whether this machine runs the int16 GEMM ([`Panel`]): AVX-512 with VNNI and VBMI2. (AVX2's
+/// `vpmaddwd` + `vpaddd` does no more multiply-adds an instruction than an f32 FMA, so there the
+/// exact GEMM stays.)
+pub fn int16_gemm_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return int16::avx512_int16();
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
 
 /// Activation rows handled per decoded tile.
 pub const MAX_ROWS: usize = 16;

@@ -102,8 +102,11 @@ fn options(a: &QuantizeArgs) -> Result<Options> {
     })
 }
 
-pub fn run(a: QuantizeArgs) -> Result<()> {
+pub fn run(mut a: QuantizeArgs) -> Result<()> {
     let opts = options(&a)?;
+    // The calibration passes run the projections quantized so far exactly (the fast paths'
+    // int16 activations would make the files depend on the CPU).
+    a.model.exl3_exact = true;
     let token_file = a
         .calibration
         .as_deref()

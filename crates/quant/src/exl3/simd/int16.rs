@@ -23,7 +23,10 @@ use crate::x86::dpwssd;
 /// both rows in dword `c`), as its low and high 16-bit halves. The states are cut with the
 /// VBMI2 funnel shift.
 #[inline(always)]
-unsafe fn products<const BIG: bool>(r: &[__m512i; 4], p: &PairIdx) -> (__m512i, __m512i) {
+pub(super) unsafe fn products<const BIG: bool>(
+    r: &[__m512i; 4],
+    p: &PairIdx,
+) -> (__m512i, __m512i) {
     let (ih, il) = (ld(&p.hi), ld(&p.lo));
     let mut h = _mm512_permutex2var_epi16(r[0], ih, r[1]);
     let mut l = _mm512_permutex2var_epi16(r[0], il, r[1]);
@@ -41,12 +44,50 @@ unsafe fn products<const BIG: bool>(r: &[__m512i; 4], p: &PairIdx) -> (__m512i, 
 
 /// The 16-bit byte sums `s` (0..=1020) of the hashes' low and high halves.
 #[inline(always)]
-unsafe fn byte_sums(lo: __m512i, hi: __m512i) -> __m512i {
+pub(super) unsafe fn byte_sums(lo: __m512i, hi: __m512i) -> __m512i {
     let ones = _mm512_set1_epi8(1);
     _mm512_add_epi16(
         _mm512_maddubs_epi16(lo, ones),
         _mm512_maddubs_epi16(hi, ones),
     )
+}
+
+/// `blk` as int16 with one scale, `s` = its largest magnitude / 32767 (NaNs ignored): each
+/// value's `round(v / s)` as 16-bit two's complement bits, clamped to the int16 range (as the
+/// saturating cast clamps; an infinite `1 / s` can get past 32767), NaN as 0 (as the cast
+/// gives). Written so that it vectorizes where it is compiled for AVX2 or AVX-512.
+#[inline(always)]
+pub(super) fn quantize_block<const N: usize>(blk: &[f32; N]) -> ([u16; N], f32) {
+    // The largest magnitude, NaNs ignored (as `f32::max` does), by halving (the maximum of
+    // values that are not NaN does not depend on the order).
+    let mut top: [f32; N] = std::array::from_fn(|i| {
+        let a = blk[i].abs();
+        if a > 0.0 {
+            a
+        } else {
+            0.0
+        }
+    });
+    let mut w = N / 2;
+    while w >= 1 {
+        for i in 0..w {
+            top[i] = if top[i + w] > top[i] {
+                top[i + w]
+            } else {
+                top[i]
+            };
+        }
+        w /= 2;
+    }
+    let s = top[0] / 32767.0;
+    let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
+    // `value + 1.5 * 2^23` holds the rounded value in the low 16 bits of its mantissa, in two's
+    // complement (the `as i16` cast compiled to a scalar conversion a value).
+    let q = std::array::from_fn(|i| {
+        let v = (blk[i] * inv).round().clamp(-32768.0, 32767.0);
+        (v + 12_582_912.0).to_bits() as u16
+    });
+    (q, s)
 }
 
 /// Activation rows quantized for [`matmul_inner_int16`]: per group of up to 16 rows (one kernel
@@ -118,37 +159,7 @@ impl Int16Rows {
                 let row = &x[(g0 + m) * k..(g0 + m + 1) * k];
                 let mut sum = 0.0f32;
                 for (tk, blk) in row.chunks_exact(16).enumerate() {
-                    // The largest magnitude, NaNs ignored (as `f32::max` does), by halving
-                    // (the maximum of values that are not NaN does not depend on the order).
-                    let mut top: [f32; 16] = std::array::from_fn(|i| {
-                        let a = blk[i].abs();
-                        if a > 0.0 {
-                            a
-                        } else {
-                            0.0
-                        }
-                    });
-                    for w in [8, 4, 2, 1] {
-                        for i in 0..w {
-                            top[i] = if top[i + w] > top[i] {
-                                top[i + w]
-                            } else {
-                                top[i]
-                            };
-                        }
-                    }
-                    let amax = top[0];
-                    let s = amax / 32767.0;
-                    let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
-                    // `as i16` of each rounded value, from its bits: clamped to the int16 range
-                    // (as the saturating cast does; an infinite `inv` can get past 32767),
-                    // `value + 1.5 * 2^23` holds it in the low 16 bits of its mantissa, in two's
-                    // complement; NaN gives 0, as the cast does. The cast itself compiled to a
-                    // scalar conversion a value.
-                    let q: [u16; 16] = std::array::from_fn(|i| {
-                        let v = (blk[i] * inv).round().clamp(-32768.0, 32767.0);
-                        (v + 12_582_912.0).to_bits() as u16
-                    });
+                    let (q, s) = quantize_block::<16>(blk.try_into().unwrap());
                     for rp in 0..8 {
                         let (a, b) = (q[2 * rp] as u32, q[2 * rp + 1] as u32);
                         xq[(tk * 8 + rp) * rg + m] = a | b << 16;
@@ -316,7 +327,7 @@ unsafe fn run<const BIG: bool>(j: &Job, t: &RateTables, rows: usize) {
 }
 
 /// Whether this machine has the AVX-512 int16 kernel (VNNI and VBMI2: Zen 4, Ice Lake and later).
-fn avx512_int16() -> bool {
+pub(super) fn avx512_int16() -> bool {
     super::Level::Avx512.is_available()
         && is_x86_feature_detected!("avx512vnni")
         && is_x86_feature_detected!("avx512vbmi2")

@@ -586,18 +586,10 @@ pub fn gated_exl3(
     {
         return false;
     }
-    fn layer(e: &Exl3Matrix) -> exl3::Layer<'_> {
-        exl3::Layer {
-            shape: &e.shape,
-            trellis: e.trellis(),
-            suh: &e.suh,
-            svh: &e.svh,
-        }
-    }
     let combine = |gb: &mut [f32], ub: &[f32]| gated_activation(act, gb, ub);
     let (k, width) = (g.shape.k, g.shape.n);
     if (g.cols, g.rows) == (k, width) {
-        exl3::matmul_tiles_gated(layer(g), layer(u), x, n, out, &combine, acts);
+        exl3::matmul_tiles_gated(exl3_layer(g), exl3_layer(u), x, n, out, &combine, acts);
         return true;
     }
     // Padded to 128s: as exl3_matmul (the padded outputs are act(0) * 0 = 0, then dropped).
@@ -606,15 +598,33 @@ pub fn gated_exl3(
         d[..g.cols].copy_from_slice(s);
     }
     let mut yp = vec![0.0f32; n * width];
-    exl3::matmul_tiles_gated(layer(g), layer(u), &xp, n, &mut yp, &combine, acts);
+    exl3::matmul_tiles_gated(
+        exl3_layer(g),
+        exl3_layer(u),
+        &xp,
+        n,
+        &mut yp,
+        &combine,
+        acts,
+    );
     for (d, s) in out.chunks_mut(g.rows).zip(yp.chunks(width)) {
         d.copy_from_slice(&s[..g.rows]);
     }
     true
 }
 
+/// An EXL3 weight's parts, as the layer-wide matmuls take them.
+fn exl3_layer(e: &Exl3Matrix) -> exl3::Layer<'_> {
+    exl3::Layer {
+        shape: &e.shape,
+        trellis: e.trellis(),
+        suh: &e.suh,
+        svh: &e.svh,
+    }
+}
+
 /// EXL3: `y = H(H(x * suh) W_inner) * svh`, for `n` activation rows: the tile kernels for
-/// few rows, decode-to-f32 + GEMM for many (`trellm_quant::exl3::matmul`).
+/// few rows, a GEMM for many (`trellm_quant::exl3::matmul`), each on `acts`.
 fn exl3_matmul(
     x: &[f32],
     n: usize,
@@ -625,7 +635,7 @@ fn exl3_matmul(
 ) {
     if many {
         // Reads only the model's dims of the padded layer.
-        return exl3::matmul_gemm(&w.shape, w.trellis(), &w.suh, &w.svh, x, n, y);
+        return exl3::matmul_many(exl3_layer(w), x, n, y, acts);
     }
     let (k, out) = (w.shape.k, w.shape.n);
     if (w.cols, w.rows) == (k, out) {
