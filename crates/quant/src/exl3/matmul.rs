@@ -444,11 +444,15 @@ const INT16_TASK_ROWS: usize = 48;
 /// rounding (2^-16 of each 128's largest) and the weights' fp16 rounding.
 pub fn matmul_gemm_int16(l: Layer<'_>, x: &[f32], n: usize, y: &mut [f32]) {
     const BAND: usize = BAND_OUT;
-    let (_, rows) = many_dims(l, x, n, y);
+    let (cols, rows) = many_dims(l, x, n, y);
     let (shape, k) = (l.shape, l.shape.k);
-    let xh = rotate_inputs(k, l.suh, x, n);
-    let q = simd::GemmRows::new(&xh, n, k);
-    drop(xh);
+    // Each row rotated (zero-extended to `k`) and quantized while it is in L1.
+    let q = simd::GemmRows::from_rows(n, k, |r, row| {
+        row[..cols].copy_from_slice(&x[r * cols..(r + 1) * cols]);
+        row[cols..].fill(0.0);
+        row.iter_mut().zip(l.suh).for_each(|(v, s)| *v *= s);
+        hadamard128(row);
+    });
     let row_blocks = n.div_ceil(INT16_TASK_ROWS);
     let yp = SendPtr(y.as_mut_ptr());
     for b0 in (0..rows.div_ceil(BAND)).step_by(INT16_BANDS) {

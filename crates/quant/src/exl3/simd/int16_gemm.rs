@@ -15,6 +15,7 @@
 #![allow(clippy::needless_range_loop)]
 
 use core::arch::x86_64::*;
+use std::mem::MaybeUninit;
 
 use rayon::prelude::*;
 
@@ -55,6 +56,14 @@ impl GemmRows {
     /// one scale per 128 (their largest magnitude maps to 32767), the rows in parallel.
     pub fn new(x: &[f32], rows: usize, k: usize) -> GemmRows {
         assert_eq!(x.len(), rows * k);
+        GemmRows::from_rows(rows, k, |r, row| {
+            row.copy_from_slice(&x[r * k..(r + 1) * k])
+        })
+    }
+
+    /// As [`GemmRows::new`], row `r`'s `k` values written by `fill(r, row)` (in parallel, into a
+    /// buffer per thread), so that a row can be made and quantized while it is in L1.
+    pub fn from_rows(rows: usize, k: usize, fill: impl Fn(usize, &mut [f32]) + Sync) -> GemmRows {
         assert_eq!(k % KC, 0, "EXL3 inputs are whole Hadamard blocks");
         let kbs = k / KC;
         let mut g = GemmRows {
@@ -67,19 +76,23 @@ impl GemmRows {
         g.q.par_chunks_mut(k)
             .zip(g.sc.par_chunks_mut(kbs))
             .zip(g.bias.par_iter_mut())
-            .zip(x.par_chunks(k))
-            .for_each(|(((q, sc), bias), x)| {
-                #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-                unsafe fn wide(q: &mut [i16], sc: &mut [f32], x: &[f32]) -> f32 {
-                    quantize_row(q, sc, x)
-                }
-                *bias = if super::Level::Avx512.is_available() {
-                    // SAFETY: AVX-512 is available.
-                    unsafe { wide(q, sc, x) }
-                } else {
-                    quantize_row(q, sc, x)
-                };
-            });
+            .enumerate()
+            .for_each_init(
+                || vec![0.0f32; k],
+                |row, (r, ((q, sc), bias))| {
+                    fill(r, row);
+                    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+                    unsafe fn wide(q: &mut [i16], sc: &mut [f32], x: &[f32]) -> f32 {
+                        quantize_row(q, sc, x)
+                    }
+                    *bias = if super::Level::Avx512.is_available() {
+                        // SAFETY: AVX-512 is available.
+                        unsafe { wide(q, sc, row) }
+                    } else {
+                        quantize_row(q, sc, row)
+                    };
+                },
+            );
         g
     }
 
@@ -112,7 +125,8 @@ struct Line([i16; 32]);
 pub struct Panel {
     k: usize,
     bands: usize,
-    lines: Vec<Line>,
+    /// Every one written by [`Panel::new`].
+    lines: Vec<MaybeUninit<Line>>,
 }
 
 impl Panel {
@@ -131,7 +145,9 @@ impl Panel {
         assert!((b0 + bands) * 128 <= shape.n);
         let k = shape.k;
         let per = Self::half_lines(k);
-        let mut lines = vec![Line([0; 32]); 2 * bands * per];
+        // Not zeroed first: `pack_half` writes every line.
+        let mut lines: Vec<MaybeUninit<Line>> = Vec::with_capacity(2 * bands * per);
+        lines.resize_with(2 * bands * per, MaybeUninit::uninit);
         let t = tables(shape.rate);
         lines.par_chunks_mut(per).enumerate().for_each(|(h, dst)| {
             let tn0 = b0 * 8 + h * COLS;
@@ -158,7 +174,9 @@ impl Panel {
         let (k, kbs) = (self.k, self.k / KC);
         let per = Self::half_lines(k);
         for h in 0..2 {
-            let lines = self.lines[(2 * band + h) * per..][..per].as_ptr();
+            let lines = self.lines[(2 * band + h) * per..][..per]
+                .as_ptr()
+                .cast::<Line>();
             for kb in 0..kbs {
                 let mut m = r0;
                 while m < r1 {
@@ -195,7 +213,7 @@ unsafe fn pack_half<const BIG: bool>(
     trellis: &[u8],
     t: &RateTables,
     tn0: usize,
-    dst: &mut [Line],
+    dst: &mut [MaybeUninit<Line>],
 ) {
     let pairs = t.pairs(Order::Interleave);
     let center = _mm512_set1_epi16(CENTER);
@@ -206,7 +224,7 @@ unsafe fn pack_half<const BIG: bool>(
                 let (lo, hi) = products::<BIG>(&r, pair);
                 let s = _mm512_sub_epi16(byte_sums(lo, hi), center);
                 let line = &mut dst[(8 * tk + rp) * COLS + c];
-                _mm512_store_si512(line.0.as_mut_ptr().cast(), s);
+                _mm512_store_si512(line.as_mut_ptr().cast(), s);
             }
         }
     }
