@@ -38,10 +38,10 @@ pub struct CpuModel {
     pub cfg: ModelConfig,
     pub plan: Plan,
     pub weights: Weights,
-    /// What EXL3 layers' few-row (decode) kernels multiply by: int16 activations on MUL1
-    /// layers by default (mean KLD 2.4e-6 against the exact path on a 3-bpw SmolLM2, the same
-    /// top token at every position, 1.9x its decode speed: BENCHMARKS.md), the exact path
-    /// where asked.
+    /// What EXL3 layers multiply by: int16 activations on MUL1 layers by default (on a 3-bpw
+    /// SmolLM2, decode: mean KLD 2.4e-6 against the exact path, the same top token at every
+    /// position, 1.9x its speed; prefill's GEMM: mean KLD 2.4e-6, 1.28x: BENCHMARKS.md), the
+    /// exact path where asked.
     pub exl3_activations: Exl3Activations,
 }
 
