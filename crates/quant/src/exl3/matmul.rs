@@ -61,7 +61,7 @@ enum Inputs {
 
 impl Inputs {
     fn new(shape: &Exl3Shape, suh: &[f32], x: &[f32], n: usize, acts: Activations) -> Inputs {
-        let xh = rotate_inputs(shape.k, suh, x, n);
+        let xh = rotate_inputs(shape.k, suh, x);
         if acts == Activations::Int16 && shape.codebook == Codebook::Mul1 && simd::int16_available()
         {
             Inputs::Int16(simd::Int16Rows::new(&xh, n, shape.k))
@@ -87,24 +87,18 @@ impl Inputs {
     }
 }
 
-/// `H(x * suh)` for each of the `n` activation rows of `x`, rows of `k` or fewer inputs (then
-/// zero-extended to `k`, as exllamav3 pads the layer).
-fn rotate_inputs(k: usize, suh: &[f32], x: &[f32], n: usize) -> Vec<f32> {
-    let cols = x.len() / n;
-    let mut xh = if cols == k {
-        x.to_vec()
-    } else {
-        let mut xp = vec![0.0f32; n * k];
-        for (d, s) in xp.chunks_mut(k).zip(x.chunks(cols)) {
-            d[..cols].copy_from_slice(s);
-        }
-        xp
-    };
-    xh.par_chunks_mut(k).for_each(|r| {
-        r.iter_mut().zip(suh).for_each(|(v, s)| *v *= s);
-        hadamard128(r);
-    });
+/// `H(x * suh)` for each of the `rows` activation rows.
+fn rotate_inputs(k: usize, suh: &[f32], x: &[f32]) -> Vec<f32> {
+    let mut xh = x.to_vec();
+    xh.par_chunks_mut(k).for_each(|r| rotate_row(r, suh));
     xh
+}
+
+/// `H(r * suh)` on one row of inputs.
+#[inline]
+fn rotate_row(r: &mut [f32], suh: &[f32]) {
+    r.iter_mut().zip(suh).for_each(|(v, s)| *v *= s);
+    hadamard128(r);
 }
 
 /// `H(r) * svh` on one band's 128 outputs of one row.
@@ -450,8 +444,7 @@ pub fn matmul_gemm_int16(l: Layer<'_>, x: &[f32], n: usize, y: &mut [f32]) {
     let q = simd::GemmRows::from_rows(n, k, |r, row| {
         row[..cols].copy_from_slice(&x[r * cols..(r + 1) * cols]);
         row[cols..].fill(0.0);
-        row.iter_mut().zip(l.suh).for_each(|(v, s)| *v *= s);
-        hadamard128(row);
+        rotate_row(row, l.suh);
     });
     let row_blocks = n.div_ceil(INT16_TASK_ROWS);
     let yp = SendPtr(y.as_mut_ptr());

@@ -34,7 +34,7 @@ pub use int16::{
     matmul_inner_int16_with, Int16Rows,
 };
 #[cfg(target_arch = "x86_64")]
-pub use int16_gemm::{band_scalar as int16_band_scalar, GemmRows, Panel, KC};
+pub use int16_gemm::{band_scalar as int16_band_scalar, GemmRows, Panel};
 
 /// Whether this machine runs the int16 GEMM ([`Panel`]): AVX-512 with VNNI and VBMI2. (AVX2's
 /// `vpmaddwd` + `vpaddd` does no more multiply-adds an instruction than an f32 FMA, so there the

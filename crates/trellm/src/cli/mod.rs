@@ -74,10 +74,10 @@ pub struct ModelArgs {
     /// Worker threads (default: all cores).
     #[arg(long, short = 't', allow_negative_numbers = true)]
     pub threads: Option<usize>,
-    /// Decode EXL3 MUL1 layers on the exact path (the activations times each weight's fp16
-    /// value): on the CPU instead of int16 activations (mean KLD ~2e-6 against it, ~1.9x
-    /// faster), on CUDA instead of int8 activations in one-row steps (as exllamav3's default;
-    /// ~1.17x faster).
+    /// Run EXL3 MUL1 layers on the exact path (the activations times each weight's fp16
+    /// value): on the CPU instead of int16 activations in decode and prefill (mean KLD ~2e-6
+    /// against it, ~1.9x and ~1.3x faster), on CUDA instead of int8 activations in one-row steps
+    /// (as exllamav3's default; ~1.17x faster).
     #[arg(long)]
     pub exl3_exact: bool,
 }

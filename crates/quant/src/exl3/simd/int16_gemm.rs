@@ -28,7 +28,7 @@ use crate::exl3::Exl3Shape;
 use crate::x86::dpwssd;
 
 /// Inputs per activation scale, and per exact integer sum: one Hadamard block.
-pub const KC: usize = 128;
+const KC: usize = 128;
 /// Subtracted from every byte sum (0..=1020) so that 128 products fit an int32.
 const CENTER: i16 = 510;
 /// The bias per unit of a row's activation sum: `w = A (s - 510) + (510 A + B)`.
@@ -95,10 +95,6 @@ impl GemmRows {
             );
         g
     }
-
-    pub fn rows(&self) -> usize {
-        self.rows
-    }
 }
 
 /// One row: its int16 values and scales; returns its bias.
@@ -116,7 +112,6 @@ fn quantize_row(q: &mut [i16], sc: &mut [f32], x: &[f32]) -> f32 {
 
 /// 32 int16 lanes on one cache line.
 #[repr(C, align(64))]
-#[derive(Clone, Copy)]
 struct Line([i16; 32]);
 
 /// A layer's decoded weights for a run of 128-output bands: per band, per half (4 tile columns),
